@@ -1,0 +1,184 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    D_TYPE_UNSPECIFIED: _ClassVar[DType]
+    D_TYPE_FLOAT32: _ClassVar[DType]
+    D_TYPE_FLOAT16: _ClassVar[DType]
+    D_TYPE_BFLOAT16: _ClassVar[DType]
+    D_TYPE_INT32: _ClassVar[DType]
+    D_TYPE_INT64: _ClassVar[DType]
+    D_TYPE_UINT8: _ClassVar[DType]
+    D_TYPE_BOOL: _ClassVar[DType]
+
+class DecodeMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECODE_MODE_UNSPECIFIED: _ClassVar[DecodeMode]
+    DECODE_MODE_AR: _ClassVar[DecodeMode]
+    DECODE_MODE_SPECULATION: _ClassVar[DecodeMode]
+    DECODE_MODE_ADAPTIVE: _ClassVar[DecodeMode]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_FULL: _ClassVar[FinishReason]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
+D_TYPE_UNSPECIFIED: DType
+D_TYPE_FLOAT32: DType
+D_TYPE_FLOAT16: DType
+D_TYPE_BFLOAT16: DType
+D_TYPE_INT32: DType
+D_TYPE_INT64: DType
+D_TYPE_UINT8: DType
+D_TYPE_BOOL: DType
+DECODE_MODE_UNSPECIFIED: DecodeMode
+DECODE_MODE_AR: DecodeMode
+DECODE_MODE_SPECULATION: DecodeMode
+DECODE_MODE_ADAPTIVE: DecodeMode
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+FINISH_REASON_CONTEXT_FULL: FinishReason
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TokenTree(_message.Message):
+    __slots__ = ("tokens", "parents", "node_logprobs", "child_token_ids", "child_logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHILD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHILD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    node_logprobs: Tensor
+    child_token_ids: Tensor
+    child_logprobs: Tensor
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., child_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., child_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class HiddenCapture(_message.Message):
+    __slots__ = ("layer_ids", "start_position", "rows")
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_position: int
+    rows: Tensor
+    def __init__(self, layer_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("model", "tokenizer")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("text", "chat", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatMessages
+    tokens: TokenIds
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MODE_RUN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PER_POSITION_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    AR_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    generated_tokens: int
+    steps: int
+    mode_run: DecodeMode
+    acceptance_length: float
+    per_position_acceptance: _containers.RepeatedScalarFieldContainer[float]
+    prefill_seconds: float
+    decode_seconds: float
+    draft_seconds: float
+    verify_seconds: float
+    transport_seconds: float
+    tokens_per_second: float
+    ar_steps: int
+    speculative_steps: int
+    fallback_reason: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,244 @@
+from dspark_grpc.protos.dspark.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LogitsReturn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGITS_RETURN_UNSPECIFIED: _ClassVar[LogitsReturn]
+    LOGITS_RETURN_NONE: _ClassVar[LogitsReturn]
+    LOGITS_RETURN_ALL: _ClassVar[LogitsReturn]
+LOGITS_RETURN_UNSPECIFIED: LogitsReturn
+LOGITS_RETURN_NONE: LogitsReturn
+LOGITS_RETURN_ALL: LogitsReturn
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context_length", "compute_dtype", "device", "fingerprint", "protocol_version", "eos_token_ids", "max_sessions", "max_tree_nodes", "max_message_bytes", "speculation_available", "default_mode")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_context_length: int
+    compute_dtype: _common_pb2.DType
+    device: str
+    fingerprint: _common_pb2.Fingerprint
+    protocol_version: _common_pb2.ProtocolVersion
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_sessions: int
+    max_tree_nodes: int
+    max_message_bytes: int
+    speculation_available: bool
+    default_mode: _common_pb2.DecodeMode
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ...) -> None: ...
+
+class TargetSessionRequest(_message.Message):
+    __slots__ = ("request_id", "open", "prefill", "verify", "commit", "rollback", "release")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    open: OpenSession
+    prefill: Prefill
+    verify: Verify
+    commit: Commit
+    rollback: Rollback
+    release: Release
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class TargetSessionResponse(_message.Message):
+    __slots__ = ("request_id", "status", "opened", "prefilled", "verified", "committed", "rolled_back", "released")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    status: _common_pb2.Status
+    opened: SessionOpened
+    prefilled: Prefilled
+    verified: Verified
+    committed: Committed
+    rolled_back: RolledBack
+    released: SessionReleased
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., committed: _Optional[_Union[Committed, _Mapping]] = ..., rolled_back: _Optional[_Union[RolledBack, _Mapping]] = ..., released: _Optional[_Union[SessionReleased, _Mapping]] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("protocol_version", "capture_layer_ids", "drafter_target", "max_length")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_TARGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: _common_pb2.ProtocolVersion
+    capture_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    drafter_target: _common_pb2.Fingerprint
+    max_length: int
+    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., capture_layer_ids: _Optional[_Iterable[int]] = ..., drafter_target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "fingerprint", "max_length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    fingerprint: _common_pb2.Fingerprint
+    max_length: int
+    def __init__(self, session_id: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class Prefill(_message.Message):
+    __slots__ = ("session_id", "prompt", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt: _common_pb2.Prompt
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class Prefilled(_message.Message):
+    __slots__ = ("prompt_tokens", "next_token", "capture", "text")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    capture: _common_pb2.HiddenCapture
+    text: str
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("session_id", "tree", "commit", "return_logits")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tree: _common_pb2.TokenTree
+    commit: bool
+    return_logits: LogitsReturn
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., commit: _Optional[bool] = ..., return_logits: _Optional[_Union[LogitsReturn, str]] = ...) -> None: ...
+
+class Verified(_message.Message):
+    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "text", "length")
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    committed: bool
+    capture: _common_pb2.HiddenCapture
+    logits: _common_pb2.Tensor
+    text: str
+    length: int
+    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("session_id", "path", "next_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    path: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    def __init__(self, session_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class Committed(_message.Message):
+    __slots__ = ("capture", "text", "length")
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    capture: _common_pb2.HiddenCapture
+    text: str
+    length: int
+    def __init__(self, capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., text: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Rollback(_message.Message):
+    __slots__ = ("session_id", "length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    length: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class RolledBack(_message.Message):
+    __slots__ = ("length", "pending_token")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    pending_token: int
+    def __init__(self, length: _Optional[int] = ..., pending_token: _Optional[int] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionReleased(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "max_new_tokens", "sampling", "stop", "mode", "ignore_eos")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    prompt: _common_pb2.Prompt
+    max_new_tokens: int
+    sampling: _common_pb2.SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    mode: _common_pb2.DecodeMode
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _common_pb2.FinishReason
+    stats: _common_pb2.GenerationStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ...) -> None: ...
