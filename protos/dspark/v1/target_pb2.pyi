@@ -152,22 +152,22 @@ class Verify(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., commit: _Optional[bool] = ..., return_logits: _Optional[_Union[LogitsReturn, str]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "text", "length")
+    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "token_texts", "length")
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
     committed: bool
     capture: _common_pb2.HiddenCapture
     logits: _common_pb2.Tensor
-    text: str
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
     length: int
-    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("session_id", "path", "next_token")
@@ -180,14 +180,14 @@ class Commit(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class Committed(_message.Message):
-    __slots__ = ("capture", "text", "length")
+    __slots__ = ("capture", "token_texts", "length")
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     capture: _common_pb2.HiddenCapture
-    text: str
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
     length: int
-    def __init__(self, capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., text: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    def __init__(self, capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Rollback(_message.Message):
     __slots__ = ("session_id", "length")

@@ -1,0 +1,69 @@
+"""What both gRPC services share: server options, health, reflection, start-up and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prefill capture of a few thousand rows fits
+
+
+def status_code(code: int) -> grpc.StatusCode:
+    return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None], load: Callable[[], None],
+                host: str, port: int, max_message_bytes: int, grace_s: float, log_prefix: str) -> None:
+    """Start listening at once (health NOT_SERVING), load the model off the event loop, then report SERVING.
+
+    SIGTERM/SIGINT: health goes NOT_SERVING, new RPCs are refused, running ones get `grace_s` to finish.
+    """
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    register(server)
+    reflection.enable_server_reflection(
+        (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    for name in ("", service_name):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"{log_prefix} cannot listen on {host}:{port}")
+    await server.start()
+    print(f"{log_prefix} listening on {host}:{bound} (NOT_SERVING until the model is loaded)", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loading = loop.run_in_executor(None, load)
+    done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if loading in done:
+        if loading.exception() is not None:
+            print(f"{log_prefix} failed to load: {loading.exception()}", file=sys.stderr, flush=True)
+            await server.stop(0)
+            raise SystemExit(1)
+        for name in ("", service_name):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"{log_prefix} SERVING on {host}:{bound}", flush=True)
+        await stop.wait()
+    print(f"{log_prefix} shutting down (grace {grace_s:g} s)", flush=True)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace_s)

@@ -1,0 +1,78 @@
+"""The one session store of a service: live sessions by id, a cap on their number and an idle TTL."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from dspark_grpc.runtime.errors import NotFound, ResourceExhausted
+
+S = TypeVar("S")
+
+
+@dataclass
+class _Entry(Generic[S]):
+    state: S
+    owner: Hashable
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore(Generic[S]):
+    """Thread-safe. `owner` ties sessions to the stream that opened them, so ending a stream frees them."""
+
+    def __init__(self, max_sessions: int, idle_ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        assert max_sessions > 0 and idle_ttl_s > 0
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self._clock = clock
+        self._entries: dict[str, _Entry[S]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def create(self, state: S, owner: Hashable = None) -> str:
+        self.evict_idle()
+        with self._lock:
+            if len(self._entries) >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"too many live sessions ({self.max_sessions}); release finished sessions or raise "
+                    "--max-sessions")
+            session_id = uuid.uuid4().hex
+            self._entries[session_id] = _Entry(state, owner, self._clock())
+            return session_id
+
+    def get(self, session_id: str) -> S:
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise NotFound(f"unknown session {session_id!r}: never opened, released, or idle for more than "
+                               f"{self.idle_ttl_s:g} s")
+            entry.last_used = self._clock()
+            return entry.state
+
+    def release(self, session_id: str) -> S:
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+        if entry is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return entry.state
+
+    def release_owner(self, owner: Hashable) -> list[str]:
+        with self._lock:
+            ids = [sid for sid, e in self._entries.items() if e.owner == owner]
+            for sid in ids:
+                del self._entries[sid]
+        return ids
+
+    def evict_idle(self) -> list[str]:
+        now = self._clock()
+        with self._lock:
+            ids = [sid for sid, e in self._entries.items() if now - e.last_used > self.idle_ttl_s]
+            for sid in ids:
+                del self._entries[sid]
+        return ids

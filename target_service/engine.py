@@ -1,0 +1,270 @@
+"""The target engine: sessions over one loaded target model. Plain Python, no gRPC.
+
+A session's sequence is `tokens`; rows [0, cache.length) are in the KV cache and tokens[cache.length]
+is the pending token: decided (emitted to the caller) but not yet run through the model. Prefill
+makes the prompt the committed rows and samples the first pending token; each verify runs
+[pending, candidates...] as one tree, and committing a root-to-node path moves those rows into the
+cache and makes the target's next token pending.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark_grpc.runtime.acceptance import accept_tree
+from dspark_grpc.runtime.checkpoint import load_checkpoint
+from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.detokenize import IncrementalDecoder
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from dspark_grpc.runtime.kv_cache import KVCache
+from dspark_grpc.runtime.sampling import SamplingParams, make_generator
+from dspark_grpc.runtime.sessions import SessionStore
+from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
+
+PROTOCOL_VERSION = 1
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_sessions: int = 16
+    idle_ttl_s: float = 600.0
+    max_tree_nodes: int = 256
+    # Per-session cap on prompt + generated tokens; None = the model's context length.
+    max_length: int | None = None
+
+
+@dataclass
+class PendingTree:
+    tokens: list[int]
+    parents: list[int]
+    captures: torch.Tensor | None  # [N, L, H]
+
+
+@dataclass
+class TargetSession:
+    cache: KVCache
+    capture_layers: tuple[int, ...]
+    max_length: int
+    tokens: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    decoder: IncrementalDecoder | None = None
+    pending_tree: PendingTree | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.tokens)
+
+
+@dataclass
+class Prefilled:
+    prompt_tokens: list[int]
+    next_token: int
+    captures: torch.Tensor | None  # [T, L, H] for rows [0, T)
+    text: str
+
+
+@dataclass
+class Committed:
+    start: int  # first newly committed row
+    captures: torch.Tensor | None  # [n, L, H] for rows [start, start + n)
+    emitted: list[int]  # tokens newly emitted: the accepted path after the root, then next_token
+    token_texts: list[str]
+    length: int
+
+
+@dataclass
+class Verified:
+    path: list[int]
+    next_token: int
+    logits: torch.Tensor | None
+    committed: Committed | None
+
+
+class TargetEngine:
+    def __init__(self, model: Transformer, tokenizer: TextTokenizer, name: str, limits: EngineLimits):
+        cfg = model.config
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.limits = limits
+        self.max_length = min(limits.max_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.sessions: SessionStore[TargetSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
+        self.fingerprint = (cfg.fingerprint(), tokenizer.fingerprint())
+        self._compute = threading.Lock()  # one forward at a time; torch already uses every core
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
+             progress: bool = True) -> TargetEngine:
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(path, progress=progress)
+        if ckpt.gguf_metadata is not None:
+            tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
+        else:
+            tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
+        model = Transformer.from_checkpoint(ckpt, dtype=dtype)
+        if progress:
+            print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        return cls(model, tokenizer, ckpt.config.name or Path(path).name, limits or EngineLimits())
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def open_session(self, capture_layers: list[int] = (), drafter_target: tuple[str, str] | None = None,
+                     protocol_version: int = PROTOCOL_VERSION, max_length: int = 0, owner: object = None) -> str:
+        if protocol_version not in (0, PROTOCOL_VERSION):
+            raise FailedPrecondition(f"protocol version {protocol_version} is not supported; this target speaks "
+                                     f"version {PROTOCOL_VERSION}")
+        if drafter_target is not None and any(drafter_target):
+            model_fp, tok_fp = self.fingerprint
+            if drafter_target[1] and drafter_target[1] != tok_fp:
+                raise FailedPrecondition(
+                    f"the drafter was built for a target with another tokenizer (fingerprint "
+                    f"{drafter_target[1][:12]}…, this target's is {tok_fp[:12]}…); use a drafter made for this model")
+            if drafter_target[0] and drafter_target[0] != model_fp:
+                raise FailedPrecondition(
+                    f"the drafter was built for another target model (fingerprint {drafter_target[0][:12]}…, "
+                    f"this target is {model_fp[:12]}…); use a drafter made for this model")
+        n_layers = self.model.config.num_layers
+        layers = tuple(int(layer) for layer in capture_layers)
+        bad = [layer for layer in layers if not 0 <= layer < n_layers]
+        if bad:
+            raise InvalidArgument(f"capture layer ids {bad} out of range: this target has layers 0..{n_layers - 1}")
+        if len(set(layers)) != len(layers):
+            raise InvalidArgument(f"capture layer ids {list(layers)} contain duplicates")
+        if max_length < 0:
+            raise InvalidArgument(f"max_length must be >= 0, got {max_length}")
+        length = min(max_length, self.max_length) if max_length else self.max_length
+        cache = self.model.new_cache(max_length=length + self.limits.max_tree_nodes)
+        return self.sessions.create(TargetSession(cache, layers, length), owner)
+
+    def release(self, session_id: str) -> None:
+        self.sessions.release(session_id)
+
+    def release_owner(self, owner: object) -> list[str]:
+        return self.sessions.release_owner(owner)
+
+    # -- prompt -----------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgument("the prompt is empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif prompt and isinstance(prompt[0], dict):
+            for m in prompt:
+                if not m.get("role"):
+                    raise InvalidArgument("every chat message needs a role (system, user or assistant)")
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            except ValueError as e:
+                raise InvalidArgument(f"cannot render the chat messages: {e}") from e
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+            self.check_tokens(ids, "prompt")
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        return ids
+
+    def check_tokens(self, ids: list[int], what: str) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"{what}: token ids {bad[:5]} out of range [0, {vocab})")
+
+    # -- model steps --------------------------------------------------------------------------------
+
+    def prefill(self, session_id: str, prompt: Prompt, sampling: SamplingParams | None = None) -> Prefilled:
+        s = self.sessions.get(session_id)
+        if s.prefilled:
+            raise FailedPrecondition("this session is already prefilled; open a new session or Rollback")
+        ids = self.encode_prompt(prompt)
+        if len(ids) >= s.max_length:
+            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this session holds at most "
+                                  f"{s.max_length - 1} prompt tokens (max_length {s.max_length})")
+        s.sampling = sampling or SamplingParams()
+        s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
+        with self._compute:
+            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers)
+            next_token = int(accept_tree(logits[None], [0], [-1], s.sampling, s.generator)[1])
+        s.tokens = [*ids, next_token]
+        s.prompt_length = len(ids)
+        s.decoder = IncrementalDecoder(self.tokenizer)
+        return Prefilled(ids, next_token, captures, s.decoder.add(next_token))
+
+    def verify(self, session_id: str, tokens: list[int], parents: list[int], commit: bool = False,
+               return_logits: bool = False) -> Verified:
+        s = self.sessions.get(session_id)
+        if not s.prefilled:
+            raise FailedPrecondition("prefill the session before verifying")
+        try:
+            validate_tree(tokens, parents, self.model.config.vocab_size, self.limits.max_tree_nodes + 1)
+        except TreeError as e:
+            raise InvalidArgument(f"bad token tree: {e}") from e
+        pending = s.tokens[s.cache.length]
+        if tokens[0] != pending:
+            raise InvalidArgument(f"the tree root must be the session's pending token {pending}, got {tokens[0]}")
+        depth = max(tree_depths(parents))
+        if s.cache.length + depth + 1 > s.max_length:
+            raise ResourceExhausted(f"context full: {s.cache.length} rows committed, a tree of depth {depth} "
+                                    f"does not fit in max_length {s.max_length}")
+        with self._compute:
+            s.cache.discard()
+            logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers)
+            path, next_token = accept_tree(logits, tokens, parents, s.sampling, s.generator)
+        s.pending_tree = PendingTree(list(tokens), list(parents), captures)
+        committed = self._commit(s, path, next_token) if commit else None
+        return Verified(path, next_token, logits if return_logits else None, committed)
+
+    def commit(self, session_id: str, path: list[int], next_token: int) -> Committed:
+        s = self.sessions.get(session_id)
+        if s.pending_tree is None:
+            raise FailedPrecondition("nothing to commit: Verify a tree first (each tree can be committed once)")
+        self.check_tokens([next_token], "next_token")
+        tree = s.pending_tree
+        if not path or any(not 0 <= n < len(tree.tokens) for n in path) or path != path_to_root(tree.parents, path[-1]):
+            raise InvalidArgument(f"path {list(path)} is not a root-to-node path of the last verified tree")
+        return self._commit(s, list(path), int(next_token))
+
+    def _commit(self, s: TargetSession, path: list[int], next_token: int) -> Committed:
+        tree = s.pending_tree
+        assert tree is not None
+        start = s.cache.length
+        with self._compute:
+            commit_path(s.cache, path)
+        s.pending_tree = None
+        emitted = [tree.tokens[n] for n in path[1:]] + [next_token]
+        s.tokens = s.tokens[:start] + [tree.tokens[n] for n in path] + [next_token]
+        assert len(s.tokens) == s.cache.length + 1
+        captures = tree.captures[path] if tree.captures is not None else None
+        texts = [s.decoder.add(t) for t in emitted]
+        return Committed(start, captures, emitted, texts, s.cache.length)
+
+    def rollback(self, session_id: str, length: int) -> tuple[int, int]:
+        s = self.sessions.get(session_id)
+        if not s.prefilled:
+            raise FailedPrecondition("nothing to roll back: the session is not prefilled")
+        if not 0 < length <= s.cache.length:
+            raise InvalidArgument(f"rollback length must be in [1, {s.cache.length}], got {length}")
+        with self._compute:
+            s.cache.discard()
+            s.cache.rollback(length)
+        s.pending_tree = None
+        s.tokens = s.tokens[: length + 1]
+        s.prompt_length = min(s.prompt_length, length)
+        s.decoder = IncrementalDecoder(self.tokenizer)
+        s.decoder.add(s.tokens[s.prompt_length :])
+        return length, s.tokens[length]
+

@@ -1,0 +1,207 @@
+"""dspark.v1.TargetService: protobuf <-> TargetEngine. Validation and translation only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.serving import status_code
+from dspark_grpc.runtime.tensor_codec import proto_dtype, to_proto
+from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
+
+log = logging.getLogger("dspark.target")
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
+                              seed=msg.seed if msg.HasField("seed") else None)
+    except ValueError as e:
+        raise InvalidArgument(f"sampling: {e}") from e
+
+
+def prompt_from_proto(msg: common_pb2.Prompt) -> Prompt:
+    kind = msg.WhichOneof("kind")
+    if kind == "text":
+        return msg.text
+    if kind == "chat":
+        if not msg.chat.messages:
+            raise InvalidArgument("prompt.chat has no messages")
+        return [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    if kind == "tokens":
+        return list(msg.tokens.ids)
+    raise InvalidArgument("the prompt is missing: set prompt.text, prompt.chat or prompt.tokens")
+
+
+def capture_to_proto(layers: tuple[int, ...], start: int, rows: torch.Tensor | None) -> common_pb2.HiddenCapture | None:
+    if rows is None or not layers:
+        return None
+    assert rows.dim() == 3 and rows.shape[1] == len(layers)
+    return common_pb2.HiddenCapture(layer_ids=layers, start_position=start, rows=to_proto(rows.to(torch.bfloat16)))
+
+
+def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
+    return dict(capture=capture_to_proto(s_layers, c.start, c.captures), token_texts=c.token_texts, length=c.length)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, max_message_bytes: int, executor: ThreadPoolExecutor | None = None) -> None:
+        self.engine: TargetEngine | None = None  # set once the model is loaded
+        self.max_message_bytes = max_message_bytes
+        self.executor = executor or ThreadPoolExecutor(max_workers=8, thread_name_prefix="target")
+        self.drafter_address: str | None = None
+
+    def ready_engine(self) -> TargetEngine:
+        if self.engine is None:
+            raise Unavailable("the target model is still loading; retry when health reports SERVING")
+        return self.engine
+
+    # -- unary ------------------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request, context):
+        try:
+            engine = self.ready_engine()
+        except ServiceError as e:
+            await context.abort(grpc.StatusCode[e.code_name], e.message)
+        cfg = engine.model.config
+        return target_pb2.GetModelInfoResponse(
+            model_name=engine.name, architecture=cfg.architecture, num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, max_context_length=engine.max_length,
+            compute_dtype=proto_dtype(engine.model.dtype), device=str(engine.model.device),
+            fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
+            protocol_version=PROTOCOL_VERSION, eos_token_ids=sorted(engine.tokenizer.eos_token_ids),
+            max_sessions=engine.limits.max_sessions, max_tree_nodes=engine.limits.max_tree_nodes,
+            max_message_bytes=self.max_message_bytes, speculation_available=self.drafter_address is not None,
+            default_mode=common_pb2.DECODE_MODE_AR)
+
+    # -- session stream -----------------------------------------------------------------------------
+
+    async def TargetSession(self, request_iterator, context):
+        owner = object()
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                yield await loop.run_in_executor(self.executor, self.handle, request, owner)
+        finally:
+            if self.engine is not None:
+                self.engine.release_owner(owner)
+
+    def handle(self, request: target_pb2.TargetSessionRequest, owner: object) -> target_pb2.TargetSessionResponse:
+        """One session operation; every failure becomes an in-band status and the stream goes on."""
+        try:
+            result = self._dispatch(request, owner)
+            return target_pb2.TargetSessionResponse(request_id=request.request_id, **result)
+        except ServiceError as e:
+            status = common_pb2.Status(code=e.code, message=e.message)
+        except Exception as e:  # a bug must not take the stream or the server down
+            log.exception("session operation failed")
+            status = common_pb2.Status(code=13, message=f"internal error: {type(e).__name__}: {e}")
+        return target_pb2.TargetSessionResponse(request_id=request.request_id, status=status)
+
+    def _dispatch(self, request: target_pb2.TargetSessionRequest, owner: object) -> dict:
+        engine = self.ready_engine()
+        op = request.WhichOneof("op")
+        if op == "open":
+            m = request.open
+            drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
+            sid = engine.open_session(list(m.capture_layer_ids), drafter, m.protocol_version, m.max_length, owner)
+            return dict(opened=target_pb2.SessionOpened(
+                session_id=sid, max_length=engine.sessions.get(sid).max_length,
+                fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])))
+        if op == "prefill":
+            m = request.prefill
+            out = engine.prefill(m.session_id, prompt_from_proto(m.prompt), sampling_from_proto(m.sampling))
+            layers = engine.sessions.get(m.session_id).capture_layers
+            return dict(prefilled=target_pb2.Prefilled(
+                prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text,
+                capture=capture_to_proto(layers, 0, out.captures)))
+        if op == "verify":
+            m = request.verify
+            if not m.HasField("tree"):
+                raise InvalidArgument("verify.tree is missing")
+            if m.tree.ListFields() and len(m.tree.tokens) != len(m.tree.parents):
+                raise InvalidArgument(f"tree has {len(m.tree.tokens)} tokens but {len(m.tree.parents)} parents")
+            want_logits = m.return_logits == target_pb2.LOGITS_RETURN_ALL
+            out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits)
+            fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
+                          logits=to_proto(out.logits) if out.logits is not None else None)
+            if out.committed is not None:
+                fields.update(committed_fields(engine.sessions.get(m.session_id).capture_layers, out.committed))
+            return dict(verified=target_pb2.Verified(**fields))
+        if op == "commit":
+            m = request.commit
+            out = engine.commit(m.session_id, list(m.path), m.next_token)
+            layers = engine.sessions.get(m.session_id).capture_layers
+            return dict(committed=target_pb2.Committed(**committed_fields(layers, out)))
+        if op == "rollback":
+            length, pending = engine.rollback(request.rollback.session_id, request.rollback.length)
+            return dict(rolled_back=target_pb2.RolledBack(length=length, pending_token=pending))
+        if op == "release":
+            engine.release(request.release.session_id)
+            return dict(released=target_pb2.SessionReleased())
+        raise InvalidArgument("empty request: set one of open, prefill, verify, commit, rollback, release")
+
+    # -- single-call generation ---------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        try:
+            engine = self.ready_engine()
+            sampling_from_proto(request.sampling)  # validate before any work
+            prompt_from_proto(request.prompt)
+            if request.max_new_tokens < 0:
+                raise InvalidArgument(f"max_new_tokens must be >= 0 (0 = {DEFAULT_MAX_NEW_TOKENS}), "
+                                      f"got {request.max_new_tokens}")
+            if request.mode == common_pb2.DECODE_MODE_SPECULATION and self.drafter_address is None:
+                raise FailedPrecondition("mode SPECULATION needs a drafter; start the target with --drafter ADDRESS "
+                                         "or ask for mode AR")
+        except ServiceError as e:
+            await context.abort(grpc.StatusCode[e.code_name], e.message)
+        config = GenerationConfig(max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                                  sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
+        stats = common_pb2.GenerationStats()
+        owner = object()
+        deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
+                                 frozenset(engine.tokenizer.eos_token_ids), stats)
+        loop = asyncio.get_running_loop()
+        step = None
+        try:
+            while True:
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+                step = loop.run_in_executor(self.executor, next, deltas, None)
+                delta = await step
+                step = None
+                if delta is None:
+                    return
+                yield target_pb2.GenerateResponse(
+                    text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason,
+                    stats=stats if delta.finish_reason else None)
+        except RequestError as e:
+            await context.abort(status_code(e.code), e.message)
+        finally:
+            if step is not None:  # cancelled mid-step: let the step finish before closing the loop
+                try:
+                    await asyncio.shield(step)
+                except BaseException:  # noqa: BLE001
+                    pass
+            await loop.run_in_executor(self.executor, deltas.close)
+            engine.release_owner(owner)
+
+
+class _InProcessTarget:
+    def __init__(self, servicer: TargetServicer, owner: object) -> None:
+        self.servicer, self.owner = servicer, owner
+
+    def call(self, request: target_pb2.TargetSessionRequest) -> target_pb2.TargetSessionResponse:
+        return self.servicer.handle(request, self.owner)
