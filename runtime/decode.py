@@ -1,0 +1,78 @@
+"""Model steps on one sequence: prefill a prompt, verify a token tree in one forward, commit a path.
+
+Plain autoregressive decoding is verify_tree with a single root node, then commit_path([0]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .kv_cache import KVCache
+from .transformer import Transformer
+from .tree import ancestor_mask, is_root_path, tree_depths, validate_tree
+
+
+def prefill(
+    model: Transformer,
+    cache: KVCache,
+    tokens: Sequence[int],
+    capture_layers: Sequence[int] = (),
+    chunk_size: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run and commit `tokens` after the cache's committed rows, `chunk_size` rows per forward.
+
+    Returns the last token's logits [V] (float32) and the captures [T, L, H] (None without capture layers).
+    """
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    captures = []
+    for begin in range(0, len(tokens), chunk_size):
+        chunk = torch.tensor(tokens[begin : begin + chunk_size], dtype=torch.long)
+        T = chunk.shape[0]
+        positions = torch.arange(cache.length, cache.length + T)
+        out = model(
+            chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers)
+        )
+        cache.commit(range(T))
+        captures.append(out.captures)
+    return out.logits[0], torch.cat(captures) if capture_layers else None
+
+
+def verify_tree(
+    model: Transformer,
+    cache: KVCache,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    capture_layers: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward over the N tree nodes, each at position cache.length + depth and attending to every
+    committed row and to its own ancestors. The N rows stay pending in the cache until commit_path.
+
+    Returns logits [N, V] (float32) and captures [N, L, H] (None without capture layers).
+    """
+    n = len(tokens)
+    validate_tree(tokens, parents, model.config.vocab_size, max_nodes=n)
+    start = cache.length
+    positions = torch.tensor(tree_depths(parents), dtype=torch.long) + start
+    mask = None
+    if n > 1:
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    out = model(ids, positions, cache, mask=mask, capture_layers=tuple(capture_layers))
+    cache.pending_parents = list(parents)
+    return out.logits, out.captures
+
+
+def commit_path(cache: KVCache, path: Sequence[int]) -> None:
+    """Keep the pending rows of a root-to-node path (node indices of the last verify) as committed rows."""
+    parents = cache.pending_parents
+    if parents is None:
+        parents = [i - 1 for i in range(cache.pending)]  # rows of a plain causal forward form a chain
+    if not is_root_path(parents, path):
+        raise ValueError(
+            f"path {list(path)} is not a root-to-node path of the {len(parents)} pending nodes: it must "
+            "start at node 0 and each node must be the child of the one before"
+        )
+    cache.commit(list(path))

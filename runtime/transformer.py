@@ -1,0 +1,222 @@
+"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, one sequence at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+ROPE_FREQ_FACTORS = "rope.freq_factors"  # optional per-frequency divisors (llama3 scaling in GGUF files)
+
+
+class KVSource(Protocol):
+    """Where an attention layer's keys and values come from and go to.
+
+    `update` receives the new rows' K/V [num_kv_heads, T, head_dim] (RoPE applied) and returns every row the
+    queries may attend to, [num_kv_heads, S, head_dim], in the column order of the attention mask.
+    """
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [len(logits_rows), vocab] float32
+    captures: torch.Tensor | None  # [T, len(capture_layers), hidden] in the model dtype
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
+        self.wq = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+        self.wk = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.wv = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.wo = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V [num_kv_heads, T, head_dim] for rows x [T, hidden]."""
+        T = x.shape[0]
+        k = self.wk(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
+    ) -> torch.Tensor:
+        """x [T, hidden]; mask [T, S] bool (True = may attend) or None (attend to all S rows)."""
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k, v = kv.update(*self.project_kv(x, cos, sin))
+        assert mask is None or mask.shape == (T, k.shape[1]), (mask.shape, k.shape)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+        return self.wo(out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def causal_mask(num_committed: int, num_new: int, device: torch.device | None = None) -> torch.Tensor:
+    """[num_new, num_committed + num_new]: every committed row, and the new rows causally."""
+    mask = torch.ones(num_new, num_committed + num_new, dtype=torch.bool, device=device)
+    mask[:, num_committed:] = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.init_rope()
+
+    def init_rope(self, freq_factors: torch.Tensor | None = None) -> None:
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = rope_inv_freq(
+                self.config.head_dim, self.config.rope_theta, self.config.rope_scaling
+            )
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.float().cpu()
+        self.register_buffer("inv_freq", inv_freq.to(self.tok_embeddings.weight.device), persistent=False)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Transformer:
+        """Build the model around the checkpoint's tensors (shared, not copied, when dtype is float32)."""
+        with torch.device("meta"):
+            model = cls(ckpt.config)
+        weights = {k: v.to(dtype) for k, v in ckpt.weights.items() if k != ROPE_FREQ_FACTORS}
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.init_rope(ckpt.weights.get(ROPE_FREQ_FACTORS))
+        return model.eval().requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def new_cache(self, max_length: int | None = None, initial_capacity: int = 256) -> KVCache:
+        return KVCache.for_config(self.config, max_length, self.dtype, self.device, initial_capacity)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, weight)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        logits_rows: torch.Tensor | None = None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Run T new tokens on top of the cache's committed rows; their K/V rows stay pending in the cache.
+
+        mask [T, cache.length + T] bool (True = may attend); None: all committed rows, new rows causally.
+        logits_rows: which of the T rows get logits (None: all). capture_layers: decoder layer ids whose
+        outputs (before the final norm; HF `hidden_states[l + 1]`) are returned.
+        """
+        T = tokens.shape[0]
+        if tokens.ndim != 1 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be [T]"
+            )
+        bad = [i for i in capture_layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"capture layer ids {bad} outside 0..{self.config.num_layers - 1}")
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != (T, cache.length + T)):
+            raise ValueError(
+                f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}"
+            )
+        if cache.dtype != self.dtype:
+            raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
+
+        start = cache.begin(T)
+        if mask is None and T > 1:
+            mask = causal_mask(start, T, self.device)
+        x = self.tok_embeddings(tokens.to(self.device))
+        cos, sin = rope_cos_sin(positions.to(self.device), self.inv_freq, self.attention_scaling, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, mask, cache.layer(i))
+            if i in capture_layers:
+                captured[i] = x
+        if logits_rows is not None:
+            x = x[logits_rows]
+        logits = self.lm_head(self.norm(x)).float()
+        captures = torch.stack([captured[i] for i in capture_layers], dim=1) if capture_layers else None
+        return ForwardOutput(logits, captures)
