@@ -37,8 +37,8 @@ def make_prompt(prompt: str | None = None, messages: list[dict[str, str]] | None
     return common_pb2.Prompt(tokens=common_pb2.TokenIds(ids=tokens))
 
 
-class _StreamTarget:
-    """A TargetSession stream driven one request/response at a time."""
+class TargetStream:
+    """A TargetSession stream driven one request/response at a time (closing it frees its sessions)."""
 
     def __init__(self, stub: target_pb2_grpc.TargetServiceStub, timeout: float | None) -> None:
         self._requests: queue.Queue = queue.Queue()
@@ -108,7 +108,7 @@ class TargetClient:
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop),
                                   ignore_eos=ignore_eos)
-        target = _StreamTarget(self._stub, self.timeout)
+        target = TargetStream(self._stub, self.timeout)
         try:
             for d in generate_deltas(target, make_prompt(prompt, messages, tokens), config, eos,
                                      stats if stats is not None else common_pb2.GenerationStats()):

@@ -47,6 +47,7 @@ class SessionStore(Generic[S]):
             return session_id
 
     def get(self, session_id: str) -> S:
+        self.evict_idle()
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is None:

@@ -14,7 +14,7 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.runtime.sampling import SamplingParams
 from dspark_grpc.runtime.serving import status_code
-from dspark_grpc.runtime.tensor_codec import proto_dtype, to_proto
+from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
 log = logging.getLogger("dspark.target")
@@ -129,8 +129,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             m = request.verify
             if not m.HasField("tree"):
                 raise InvalidArgument("verify.tree is missing")
-            if m.tree.ListFields() and len(m.tree.tokens) != len(m.tree.parents):
-                raise InvalidArgument(f"tree has {len(m.tree.tokens)} tokens but {len(m.tree.parents)} parents")
+            _check_tree_tensors(m.tree)
             want_logits = m.return_logits == target_pb2.LOGITS_RETURN_ALL
             out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits)
             fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
@@ -197,6 +196,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     pass
             await loop.run_in_executor(self.executor, deltas.close)
             engine.release_owner(owner)
+
+
+def _check_tree_tensors(tree: common_pb2.TokenTree) -> None:
+    n = len(tree.tokens)
+    for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
+        if tree.HasField(name):
+            t = from_proto(getattr(tree, name), f"tree.{name}")
+            if t.dim() == 0 or t.shape[0] != n:
+                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; its first dimension must be the "
+                                      f"number of nodes ({n})")
 
 
 class _InProcessTarget:

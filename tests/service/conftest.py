@@ -1,0 +1,72 @@
+"""Fixtures that start the real target service as a child process on loopback."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dspark_grpc.client import TargetClient
+from dspark_grpc.client.local_stack import local_target
+from dspark_grpc.client.sdk import TargetStream
+from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+
+SERVICE = "dspark.v1.TargetService"
+MAX_SESSIONS = 4
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+@pytest.fixture(scope="session")
+def target_address() -> str:
+    """The default model (embedded SmolLM2 GGUF), small limits so limit tests are cheap."""
+    args = ["--max-sessions", str(MAX_SESSIONS), "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--quiet"]
+    with local_target(args, echo=False) as address:
+        with TargetClient(address) as client:
+            client.wait_ready(timeout=300)
+        yield address
+
+
+@pytest.fixture()
+def client(target_address: str):
+    with TargetClient(target_address, timeout=300) as c:
+        yield c
+
+
+class RawSession:
+    """A TargetSession stream for tests: send ops, get responses (status not checked)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+        self.stream = TargetStream(target_pb2_grpc.TargetServiceStub(self.channel), timeout=300)
+        self.next_id = 0
+
+    def call(self, **op) -> target_pb2.TargetSessionResponse:
+        self.next_id += 1
+        response = self.stream.call(target_pb2.TargetSessionRequest(request_id=self.next_id, **op))
+        assert response.request_id == self.next_id
+        return response
+
+    def ok(self, **op):
+        response = self.call(**op)
+        assert response.status.code == 0, response.status.message
+        return getattr(response, response.WhichOneof("result"))
+
+    def close(self) -> None:
+        self.stream.close()
+        self.channel.close()
+
+
+@pytest.fixture()
+def raw(target_address: str):
+    session = RawSession(target_address)
+    yield session
+    session.close()
+
+
+def health_status(address: str, service: str = SERVICE) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def assert_serving(address: str) -> None:
+    assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
