@@ -1,0 +1,110 @@
+"""Shared session fixtures: the default SmolLM2 GGUF, HF transformers' reference model, tiny random HF models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from dspark_grpc.runtime.checkpoint import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path):
+    """HF transformers' LlamaForCausalLM loaded from the same GGUF (fp32, eval). Takes 40-60 s."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _tiny_configs() -> dict[str, object]:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # big enough that greedy argmax gaps are far above float32 noise
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return {
+        # q/k/v bias, tied embeddings
+        "qwen2": Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}),
+        # per-head q/k RMSNorm, explicit head_dim different from hidden/heads
+        "qwen3": Qwen3Config(
+            **common, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
+        ),
+        # untied lm_head, YaRN
+        "llama_yarn": LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+        # untied lm_head, llama3 frequency scaling
+        "llama3": LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random HF checkpoints (2 layers, hidden 64, vocab 49152) saved as safetensors: name -> directory.
+
+    Names: qwen2 (qkv bias, tied), qwen3 (q/k norm, tied), llama_yarn (untied, YaRN), llama3 (untied,
+    llama3 rope). The directories hold config.json and model.safetensors only.
+    """
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    dirs = {}
+    for i, (name, config) in enumerate(_tiny_configs().items()):
+        torch.manual_seed(1000 + i)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # HF initializes norms to 1 and biases to 0: make every tensor matter
+            for pname, param in model.named_parameters():
+                if "norm" in pname:
+                    param.uniform_(0.5, 1.5)
+                elif pname.endswith(".bias"):
+                    param.normal_(0, 0.5)
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+    return dirs
