@@ -1,4 +1,4 @@
-"""Shared session fixtures: the default SmolLM2 GGUF, HF transformers' reference model, tiny random HF models."""
+"""Shared session fixtures: the default SmolLM2 GGUF, HF's reference model of it, tiny random HF models."""
 
 from __future__ import annotations
 

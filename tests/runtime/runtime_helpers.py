@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.transformer import ForwardOutput, Transformer
 
 
 def greedy_decode(
@@ -32,3 +31,12 @@ def hf_logits(hf_model, tokens: list[int], **kwargs):
     """HF forward over one sequence: logits [T, V] (and the full output for hidden states)."""
     out = hf_model(torch.tensor([tokens]), **kwargs)
     return out.logits[0].float(), out
+
+
+def random_tokens(n: int, seed: int, vocab_size: int = 49152) -> list[int]:
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def forward_all(model: Transformer, tokens: list[int], **kwargs) -> ForwardOutput:
+    """One causal forward of a whole sequence on a fresh cache."""
+    return model(torch.tensor(tokens), torch.arange(len(tokens)), model.new_cache(), **kwargs)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import greedy_decode, hf_logits
-
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.config import config_from_hf
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.transformer import Transformer
+from runtime_helpers import forward_all, greedy_decode, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +17,15 @@ LOGITS_ATOL = 1e-3
 STEPS = 64
 PROMPTS = {
     "capital": [504, 3575, 282, 4649, 314],  # "The capital of France is"
-    "chat_fibonacci": [1, 4093, 198, 19161, 253, 5905, 1517, 338, 6765, 260, 304, 29, 373, 24681, 46477, 1230, 30]
-    + [2, 198, 1, 520, 9531, 198],
+    # ChatML "Write a Python function that returns the n-th Fibonacci number."
+    "chat_fibonacci": [1, 4093, 198, 19161, 253, 5905, 1517, 338, 6765, 260, 304, 29, 373, 24681, 46477]
+    + [1230, 30, 2, 198, 1, 520, 9531, 198],
     "code": [1604, 613, 5381, 401, 24, 2110, 727, 198],  # "def quicksort(arr):\n"
     "story": [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 28],  # "Once upon a time, in a small village,"
+    # ChatML "What are three tips for staying healthy?"
     "chat_health": [1, 4093, 198, 1780, 359, 1296, 5608, 327, 9286, 2458, 47, 2, 198, 1, 520, 9531, 198],
-    "numbers": [33, 28, 216, 34, 28, 216, 35, 28, 216, 37, 28, 216, 40, 28, 216, 33, 35, 28],  # "1, 2, 3, 5, 8, 13,"
+    # "1, 2, 3, 5, 8, 13,"
+    "numbers": [33, 28, 216, 34, 28, 216, 35, 28, 216, 37, 28, 216, 40, 28, 216, 33, 35, 28],
 }
 
 
@@ -59,7 +61,7 @@ def test_hidden_state_captures_match_hf(smollm2, hf_smollm2):
     seq = PROMPTS["chat_fibonacci"] + PROMPTS["story"]
     layers = (0, 9, 19, 28, 29)
     _, out = hf_logits(hf_smollm2, seq, output_hidden_states=True)
-    got = smollm2(torch.tensor(seq), torch.arange(len(seq)), smollm2.new_cache(), capture_layers=layers).captures
+    got = forward_all(smollm2, seq, capture_layers=layers).captures
     assert got.shape == (len(seq), len(layers), 576)
     for j, layer in enumerate(layers[:-1]):
         expected = out.hidden_states[layer + 1][0]
@@ -82,7 +84,7 @@ def test_tree_verify_matches_sequential(smollm2):
             path.append(parents[path[-1]])
         path = path[::-1]
         seq = prompt + [tokens[i] for i in path]
-        expected = smollm2(torch.tensor(seq), torch.arange(len(seq)), smollm2.new_cache()).logits[len(prompt) :]
+        expected = forward_all(smollm2, seq).logits[len(prompt) :]
         torch.testing.assert_close(tree_logits[path], expected, atol=LOGITS_ATOL, rtol=0)
     commit_path(cache, [0, 1, 2, 3, 4])
     assert cache.length == len(prompt) + 5

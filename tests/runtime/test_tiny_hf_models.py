@@ -1,14 +1,13 @@
-"""Tiny random HF checkpoints (qwen2 bias, qwen3 q/k norm, llama untied + yarn / llama3 rope) vs transformers."""
+"""Tiny random HF checkpoints (qwen2 bias, qwen3 q/k norm, untied llama + yarn / llama3 rope) vs HF."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import greedy_decode, hf_logits
-from transformers import AutoModelForCausalLM
-
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.transformer import Transformer
+from runtime_helpers import greedy_decode, hf_logits, random_tokens
+from transformers import AutoModelForCausalLM
 
 ATOL = 1e-4  # float32 logits of std ~1.6; observed differences are ~1e-6
 STEPS = 48
@@ -40,7 +39,7 @@ def test_config_matches_hf(pair):
 
 def test_prompt_logits_match_hf(pair):
     _, hf, ours, _ = pair
-    tokens = torch.randint(0, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens = random_tokens(40, seed=0)
     expected, _ = hf_logits(hf, tokens)
     cache = ours.new_cache()
     got = ours(torch.tensor(tokens), torch.arange(len(tokens)), cache).logits
@@ -49,7 +48,7 @@ def test_prompt_logits_match_hf(pair):
 
 def test_greedy_decode_matches_hf(pair):
     _, hf, ours, _ = pair
-    prompt = torch.randint(0, ours.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = random_tokens(12, seed=1)
     tokens, step_logits = greedy_decode(ours, prompt, STEPS)
     # HF teacher-forced over our sequence: its argmax at every step must be the token we chose.
     expected, _ = hf_logits(hf, prompt + tokens[:-1])
@@ -69,7 +68,7 @@ def test_greedy_decode_matches_hf(pair):
 
 def test_hidden_state_captures_match_hf(pair):
     _, hf, ours, _ = pair
-    tokens = torch.randint(0, ours.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    tokens = random_tokens(20, seed=2)
     _, out = hf_logits(hf, tokens, output_hidden_states=True)
     cache = ours.new_cache()
     got = ours(torch.tensor(tokens), torch.arange(len(tokens)), cache, capture_layers=(0, 1)).captures
@@ -82,7 +81,7 @@ def test_hidden_state_captures_match_hf(pair):
 def test_bf16_follows_fp32(pair):
     _, _, ours, path = pair
     ckpt_model = Transformer.from_checkpoint(load_checkpoint(path, progress=False), dtype=torch.bfloat16)
-    tokens = torch.randint(0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = random_tokens(16, seed=3)
     fp32 = ours(torch.tensor(tokens), torch.arange(16), ours.new_cache()).logits
     bf16 = ckpt_model(torch.tensor(tokens), torch.arange(16), ckpt_model.new_cache()).logits
     assert bf16.dtype == torch.float32
