@@ -7,10 +7,9 @@ import json
 import sys
 import time
 
-from google.protobuf.json_format import MessageToDict
-
 from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.client.sdk import DEFAULT_TARGET, TargetClient
+from google.protobuf.json_format import MessageToDict
 
 DEMO_MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
@@ -36,9 +35,10 @@ def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> N
 
     stats = common_pb2.GenerationStats()
     finish = None
-    for text, _, finish in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
+    for text, _, reason in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                          seed=args.seed, stop=args.stop, stats=stats):
+        finish = reason
         sys.stdout.write(text)
         sys.stdout.flush()
     wall = time.perf_counter() - t0

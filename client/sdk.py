@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
-
 from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 
@@ -85,7 +84,8 @@ class TargetClient:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
@@ -120,7 +120,8 @@ class TargetClient:
         """Same arguments as `stream`; returns the whole result with per-request stats."""
         stats = common_pb2.GenerationStats()
         text, ids, finish = [], [], None
-        for t, toks, finish in self.stream(prompt, stats=stats, **kwargs):
+        for t, toks, reason in self.stream(prompt, stats=stats, **kwargs):
+            finish = reason
             text.append(t)
             ids.extend(toks)
         return GenerationResult("".join(text), ids, finish or "", stats)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.client.sdk import TargetStream
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICE = "dspark.v1.TargetService"
 MAX_SESSIONS = 4
@@ -65,7 +64,8 @@ def raw(target_address: str):
 
 def health_status(address: str, service: str = SERVICE) -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
 
 
 def assert_serving(address: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+
 from tests.service.conftest import MAX_MESSAGE_BYTES, MAX_SESSIONS, RawSession, assert_serving
 
 INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 3, 5, 8, 9
@@ -46,8 +46,9 @@ def test_token_ids_out_of_vocab(raw, target_address):
     expect(raw, INVALID_ARGUMENT, str(VOCAB),
            prefill=target_pb2.Prefill(session_id=sid, prompt=tokens_prompt([5, VOCAB])))
     sid, pending = prefilled_session(raw)
-    expect(raw, INVALID_ARGUMENT, "vocab", verify=target_pb2.Verify(session_id=sid, tree=tree([pending, VOCAB + 7], [-1, 0])))
-    expect(raw, INVALID_ARGUMENT, "vocab", verify=target_pb2.Verify(session_id=sid, tree=tree([pending, -3], [-1, 0])))
+    for bad in (VOCAB + 7, -3):
+        bad_tree = target_pb2.Verify(session_id=sid, tree=tree([pending, bad], [-1, 0]))
+        expect(raw, INVALID_ARGUMENT, "vocab", verify=bad_tree)
     # the session survived the bad requests and still decodes
     assert raw.ok(verify=target_pb2.Verify(session_id=sid, tree=tree([pending], [-1]), commit=True)).committed
     assert_serving(target_address)
@@ -72,7 +73,8 @@ def test_bad_trees(raw, target_address, tokens, parents, words):
 
 def test_tree_root_must_be_pending_token(raw):
     sid, pending = prefilled_session(raw)
-    expect(raw, INVALID_ARGUMENT, "pending token", verify=target_pb2.Verify(session_id=sid, tree=tree([pending + 1], [-1])))
+    wrong_root = target_pb2.Verify(session_id=sid, tree=tree([pending + 1], [-1]))
+    expect(raw, INVALID_ARGUMENT, "pending token", verify=wrong_root)
 
 
 def test_tensor_byte_length_mismatch(raw, target_address):
@@ -199,5 +201,6 @@ def test_operations_out_of_order(raw):
     expect(raw, FAILED_PRECONDITION, "Verify a tree first",
            commit=target_pb2.Commit(session_id=sid, path=[0], next_token=5))
     raw.ok(verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 7, 8], [-1, 0, 0])))
-    expect(raw, INVALID_ARGUMENT, "root-to-node path", commit=target_pb2.Commit(session_id=sid, path=[1], next_token=5))
+    off_path = target_pb2.Commit(session_id=sid, path=[1], next_token=5)
+    expect(raw, INVALID_ARGUMENT, "root-to-node path", commit=off_path)
     expect(raw, INVALID_ARGUMENT, "rollback length", rollback=target_pb2.Rollback(session_id=sid, length=99))

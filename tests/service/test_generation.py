@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2

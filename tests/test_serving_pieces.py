@@ -1,0 +1,109 @@
+"""Unit tests of the small shared pieces: session store, tensor codec, stop strings, generated stubs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dspark_grpc.client.generation import StopStrings
+from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from dspark_grpc.runtime.sessions import SessionStore
+from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_session_store_limit_ttl_and_owner():
+    clock = Clock()
+    store: SessionStore[str] = SessionStore(max_sessions=2, idle_ttl_s=10, clock=clock)
+    a = store.create("a", owner="stream1")
+    b = store.create("b", owner="stream2")
+    with pytest.raises(ResourceExhausted, match="too many live sessions"):
+        store.create("c")
+    clock.now = 8
+    assert store.get(a) == "a"  # touching a keeps it alive
+    clock.now = 15  # b idle for 15 s > ttl, a for 7 s
+    with pytest.raises(NotFound, match="idle"):
+        store.get(b)
+    assert store.get(a) == "a"
+    d = store.create("d", owner="stream1")
+    assert len(store) == 2
+    assert sorted(store.release_owner("stream1")) == sorted([a, d])
+    assert len(store) == 0
+    with pytest.raises(NotFound):
+        store.release(a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                                   torch.uint8, torch.bool])
+def test_tensor_round_trip(dtype):
+    t = (torch.randn(3, 5, 2) * 7).to(dtype)
+    msg = to_proto(t)
+    assert len(msg.data) == t.numel() * t.element_size() and list(msg.shape) == [3, 5, 2]
+    assert torch.equal(from_proto(msg), t)
+    assert from_proto(to_proto(torch.empty(0, 4, dtype=dtype))).shape == (0, 4)
+
+
+def test_tensor_bytes_are_little_endian_row_major():
+    msg = to_proto(torch.tensor([[1, 2], [3, 258]], dtype=torch.int32))
+    assert msg.data == b"".join(v.to_bytes(4, "little") for v in (1, 2, 3, 258))
+
+
+@pytest.mark.parametrize("msg,words", [
+    (common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[2, 2], data=b"\0" * 15), "15 bytes"),
+    (common_pb2.Tensor(dtype=common_pb2.D_TYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4), "unsupported dtype"),
+    (common_pb2.Tensor(dtype=common_pb2.D_TYPE_INT32, shape=[-1], data=b""), "negative"),
+])
+def test_tensor_validation(msg, words):
+    with pytest.raises(InvalidArgument, match=words):
+        from_proto(msg, "x")
+
+
+def test_stop_strings_hold_back_possible_prefixes():
+    s = StopStrings(["</end>", "STOP"])
+    out = [s.push(p) for p in ["Hello </", "e", "nd> more"]]
+    assert out == [("Hello ", False), ("", False), ("", True)]
+    s = StopStrings(["STOP"])
+    assert s.push("ST") == ("", False)
+    assert s.push("ay") == ("STay", False)
+    assert s.push("S") == ("", False) and s.flush() == "S"
+    assert StopStrings([]).push("abc") == ("abc", False)
+    s = StopStrings(["ab", "b"])
+    assert s.push("xab") == ("x", True)  # the earliest stop wins
+
+
+def test_generated_stubs_are_current():
+    from dspark_grpc.protos.generate import stale_files
+
+    assert stale_files() == [], "run `make protos` (python -m dspark_grpc.protos.generate)"
+
+
+def test_protos_buf_lint():
+    npx = shutil.which("npx")
+    if npx is None:
+        pytest.skip("npx (Node.js) not installed")
+    result = subprocess.run([npx, "-y", "@bufbuild/buf@1.75.0", "lint"], cwd=ROOT / "protos",
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode != 0 and ("ENOTFOUND" in result.stderr or "network" in result.stderr.lower()):
+        pytest.skip("buf could not be fetched from the npm registry")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_client_sdk_does_not_import_torch():
+    code = ("import sys, dspark_grpc.client, dspark_grpc.client.cli, dspark_grpc.client.generation;"
+            "bad = [m for m in ('torch', 'numpy', 'dspark_grpc.runtime', 'dspark_grpc.target_service') "
+            "if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
