@@ -10,7 +10,6 @@ exactly as AR decoding draws them.
 from __future__ import annotations
 
 import torch
-
 from dspark_grpc.runtime.sampling import SamplingParams, sample
 
 

@@ -6,7 +6,6 @@ import math
 import sys
 
 import torch
-
 from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.errors import InvalidArgument
 

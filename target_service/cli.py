@@ -7,7 +7,6 @@ import asyncio
 import logging
 
 import torch
-
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from dspark_grpc.runtime.acceptance import accept_tree
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-
 from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
