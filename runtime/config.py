@@ -52,14 +52,14 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections have a bias (qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
     attention_out_bias: bool = False  # o projection has a bias (llama/qwen3 with attention_bias=true)
+    # Divisors of the inverse frequencies from a GGUF rope_freqs tensor: llama.cpp's form of llama3 scaling.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {ARCHITECTURES}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
 
@@ -78,6 +78,8 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": scaling,
         }
+        if self.rope_freq_factors is not None:
+            shape["rope_freq_factors"] = list(self.rope_freq_factors)
         canonical = json.dumps(_round_floats(shape), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -88,6 +90,8 @@ def _round_floats(value: Any) -> Any:
         return struct.unpack("<f", struct.pack("<f", value))[0]
     if isinstance(value, dict):
         return {k: _round_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_round_floats(v) for v in value]
     return value
 
 
@@ -125,9 +129,7 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
     head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // num_heads)
     rope_dim = int(metadata.get(f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
-        raise ValueError(
-            f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim}) are unsupported"
-        )
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim}) are unsupported")
 
     if f"{arch}.vocab_size" in metadata:
         vocab = int(metadata[f"{arch}.vocab_size"])
@@ -144,9 +146,7 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
     elif kind == "yarn" and factor is not None:
         attention_factor = metadata.get(f"{arch}.rope.scaling.yarn_attn_factor")
         attention_factor = (
-            _yarn_attention_factor(_f32(factor), None, None)
-            if attention_factor is None
-            else _f32(attention_factor)
+            _yarn_attention_factor(_f32(factor), None, None) if attention_factor is None else _f32(attention_factor)
         )
         scaling = RopeScaling(
             "yarn",

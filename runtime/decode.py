@@ -32,9 +32,7 @@ def prefill(
         chunk = torch.tensor(tokens[begin : begin + chunk_size], dtype=torch.long)
         T = chunk.shape[0]
         positions = torch.arange(cache.length, cache.length + T)
-        out = model(
-            chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers)
-        )
+        out = model(chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers))
         cache.commit(range(T))
         captures.append(out.captures)
     return out.logits[0], torch.cat(captures) if capture_layers else None

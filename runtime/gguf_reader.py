@@ -31,14 +31,10 @@ def dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
     try:
         array = gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError as e:
-        raise ValueError(
-            f"tensor {tensor.name!r} has type {qtype.name}, which cannot be dequantized: {e}"
-        ) from e
+        raise ValueError(f"tensor {tensor.name!r} has type {qtype.name}, which cannot be dequantized: {e}") from e
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if array.shape != shape:
-        raise ValueError(
-            f"tensor {tensor.name!r} ({qtype.name}) dequantized to {array.shape}, expected {shape}"
-        )
+        raise ValueError(f"tensor {tensor.name!r} ({qtype.name}) dequantized to {array.shape}, expected {shape}")
     if array.dtype != np.float32 or not array.flags.writeable:
         array = array.astype(np.float32)  # F32 tensors come back as read-only views of the memory map
     return torch.from_numpy(array)

@@ -79,9 +79,7 @@ class KVCache:
             raise ValueError(f"a forward needs at least one token, got {num_new}")
         needed = self.length + num_new
         if needed > self.max_length:
-            raise CacheFullError(
-                f"sequence would reach {needed} tokens, over the cache's max_length {self.max_length}"
-            )
+            raise CacheFullError(f"sequence would reach {needed} tokens, over the cache's max_length {self.max_length}")
         self.discard()
         if needed > self.capacity:
             capacity = self.capacity

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from .config import RopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (float32) and the factor applied to cos/sin."""
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    freq_factors: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the factor applied to cos/sin.
+
+    `freq_factors` (GGUF rope_freqs) divide the frequencies, as GGML does.
+    """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if freq_factors is not None:
+        assert len(freq_factors) == head_dim // 2, (len(freq_factors), head_dim)
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq, 1.0
     if scaling.kind == "linear":
@@ -44,11 +56,7 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
         attention_factor = 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
 
     def correction_dim(num_rotations: float) -> float:
-        return (
-            dim
-            * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
+        return dim * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
     if s.truncate:

@@ -16,8 +16,6 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
-ROPE_FREQ_FACTORS = "rope.freq_factors"  # optional per-frequency divisors (llama3 scaling in GGUF files)
-
 
 class KVSource(Protocol):
     """Where an attention layer's keys and values come from and go to.
@@ -67,9 +65,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V [num_kv_heads, T, head_dim] for rows x [T, hidden]."""
         T = x.shape[0]
         k = self.wk(x).view(T, self.num_kv_heads, self.head_dim)
@@ -134,19 +130,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.init_rope()
 
-    def init_rope(self, freq_factors: torch.Tensor | None = None) -> None:
+    def init_rope(self) -> None:
+        c = self.config
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = rope_inv_freq(
-                self.config.head_dim, self.config.rope_theta, self.config.rope_scaling
+                c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors
             )
-        if freq_factors is not None:
-            inv_freq = inv_freq / freq_factors.float().cpu()
         self.register_buffer("inv_freq", inv_freq.to(self.tok_embeddings.weight.device), persistent=False)
 
     @classmethod
@@ -154,9 +147,9 @@ class Transformer(nn.Module):
         """Build the model around the checkpoint's tensors (shared, not copied, when dtype is float32)."""
         with torch.device("meta"):
             model = cls(ckpt.config)
-        weights = {k: v.to(dtype) for k, v in ckpt.weights.items() if k != ROPE_FREQ_FACTORS}
+        weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
         model.load_state_dict(weights, strict=True, assign=True)
-        model.init_rope(ckpt.weights.get(ROPE_FREQ_FACTORS))
+        model.init_rope()
         return model.eval().requires_grad_(False)
 
     @property
@@ -192,16 +185,12 @@ class Transformer(nn.Module):
         """
         T = tokens.shape[0]
         if tokens.ndim != 1 or positions.shape != tokens.shape:
-            raise ValueError(
-                f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be [T]"
-            )
+            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be [T]")
         bad = [i for i in capture_layers if not 0 <= i < self.config.num_layers]
         if bad:
             raise ValueError(f"capture layer ids {bad} outside 0..{self.config.num_layers - 1}")
         if mask is not None and (mask.dtype != torch.bool or mask.shape != (T, cache.length + T)):
-            raise ValueError(
-                f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}"
-            )
+            raise ValueError(f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}")
         if cache.dtype != self.dtype:
             raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
 

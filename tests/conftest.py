@@ -29,9 +29,7 @@ def hf_smollm2(smollm2_path: Path):
     """HF transformers' LlamaForCausalLM loaded from the same GGUF (fp32, eval). Takes 40-60 s."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
     return model.eval()
 
 
@@ -55,9 +53,7 @@ def _tiny_configs() -> dict[str, object]:
         # q/k/v bias, tied embeddings
         "qwen2": Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}),
         # per-head q/k RMSNorm, explicit head_dim different from hidden/heads
-        "qwen3": Qwen3Config(
-            **common, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
-        ),
+        "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}),
         # untied lm_head, YaRN
         "llama_yarn": LlamaConfig(
             **common,
