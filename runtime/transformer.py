@@ -48,22 +48,15 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-        )
-        hidden, q_dim, kv_dim = (
-            config.hidden_size,
-            config.num_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
-        )
-        self.wq = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.wk = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.wv = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.wq = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias)
+        self.wk = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.wv = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.wo = nn.Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V [num_kv_heads, T, head_dim] for rows x [T, hidden]."""
@@ -181,7 +174,8 @@ class Transformer(nn.Module):
 
         mask [T, cache.length + T] bool (True = may attend); None: all committed rows, new rows causally.
         logits_rows: which of the T rows get logits (None: all). capture_layers: decoder layer ids whose
-        outputs (before the final norm; HF `hidden_states[l + 1]`) are returned.
+        outputs are returned: HF's `hidden_states[l + 1]`, except that HF applies the final norm to the
+        last layer's entry and we never do.
         """
         T = tokens.shape[0]
         if tokens.ndim != 1 or positions.shape != tokens.shape:
@@ -193,6 +187,8 @@ class Transformer(nn.Module):
             raise ValueError(f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}")
         if cache.dtype != self.dtype:
             raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
+        if T and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
 
         start = cache.begin(T)
         if mask is None and T > 1:

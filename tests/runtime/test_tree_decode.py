@@ -162,6 +162,8 @@ def test_forward_argument_errors(model):
         model(torch.tensor([1, 2]), torch.arange(2), cache, mask=torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="positions"):
         model(torch.tensor([1, 2]), torch.arange(3), cache)
+    with pytest.raises(ValueError, match="token ids"):
+        prefill(model, cache, [1, model.config.vocab_size])
     assert cache.length == 0 and cache.pending == 0
 
 
