@@ -1,0 +1,210 @@
+"""DSpark's sequential stage: the low-rank Markov (bigram) head, the confidence head and the draft chain.
+
+Z_k = U_k + W2 · f(W1[prev_k]), prev_0 = the anchor, prev_k = the token drafted at slot k-1 (as a target id).
+W1 is indexed by target ids, W2 produces draft-vocab logits; `d2t` holds offsets: target = draft + d2t[draft].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MARKOV_KINDS = ("vanilla", "gated", "rnn")
+KERNELS = ("auto", "fused", "torch")
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, kind: str, target_vocab: int, draft_vocab: int, rank: int, hidden_size: int) -> None:
+        super().__init__()
+        if kind not in MARKOV_KINDS:
+            raise ValueError(f"markov head kind must be one of {MARKOV_KINDS}, got {kind!r}")
+        self.kind, self.rank, self.hidden_size = kind, rank, hidden_size
+        self.w1 = nn.Embedding(target_vocab, rank)
+        self.w2 = nn.Linear(rank, draft_vocab, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    @property
+    def target_vocab(self) -> int:
+        return self.w1.weight.shape[0]
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.w2.weight.shape[0]
+
+    def init_state(self) -> Tensor | None:
+        return torch.zeros(self.rank, device=self.w1.weight.device) if self.kind == "rnn" else None
+
+    def step_vector(self, prev_token: int, hidden_row: Tensor | None = None,
+                    state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One step in fp32 -> (e = W1[prev] [r], v [r] with bias = W2 · v, new state)."""
+        if not 0 <= prev_token < self.target_vocab:
+            raise ValueError(f"previous token {prev_token} outside the target vocabulary [0, {self.target_vocab})")
+        e = self.w1.weight[prev_token].float()
+        if self.kind == "vanilla":
+            return e, e, state
+        assert hidden_row is not None and hidden_row.shape == (self.hidden_size,), "gated/rnn heads need h_k [H]"
+        h = hidden_row.float()
+        if self.kind == "gated":
+            g = torch.sigmoid(_linear(self.gate_proj, torch.cat([h, e])))
+            return e, g * e, state
+        s = torch.zeros_like(e) if state is None else state.float()
+        g, c, o = _linear(self.joint_proj, torch.cat([s, e, h])).split(self.rank)
+        g = torch.sigmoid(g)
+        return e, torch.tanh(o), g * s + (1 - g) * torch.tanh(c)
+
+    def bias(self, prev_token: int, hidden_row: Tensor | None = None,
+             state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """-> (bias [draft_vocab] fp32, new state). Vanilla ignores hidden_row and state."""
+        _, v, state = self.step_vector(prev_token, hidden_row, state)
+        return self.w2.weight.float() @ v, state
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(proj([h_k ; W1[prev_k]]) / T_k); positions past the temperature table use its last entry."""
+
+    def __init__(self, hidden_size: int, rank: int, with_markov: bool, pre_norm: bool,
+                 temperatures: list[float] | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.rank, self.with_markov, self.pre_norm = hidden_size, rank, with_markov, pre_norm
+        self.proj = nn.Linear(hidden_size + (rank if with_markov else 0), 1)
+        temps = torch.tensor([1.0] if temperatures is None else list(temperatures), dtype=torch.float32)
+        if temps.numel() == 0 or not bool(torch.isfinite(temps).all() and (temps > 0).all()):
+            raise ValueError(f"calibration temperatures must be a non-empty list of finite values > 0, "
+                             f"got {temperatures}")
+        # Calibration comes from the serving config, not from the checkpoint.
+        self.register_buffer("temperatures", temps, persistent=False)
+
+    def select_hidden(self, hidden_pre: Tensor, hidden_post: Tensor) -> Tensor:
+        return hidden_pre if self.pre_norm else hidden_post
+
+    def position_temperatures(self, n: int, start: int = 0) -> Tensor:
+        idx = torch.arange(start, start + n, device=self.temperatures.device).clamp(max=self.temperatures.numel() - 1)
+        return self.temperatures[idx]
+
+    def logits(self, hidden: Tensor, markov_emb: Tensor | None = None) -> Tensor:
+        """hidden [K, H], markov_emb [K, r] (W1 of each slot's previous token) -> raw logits [K] fp32."""
+        assert hidden.dim() == 2 and hidden.shape[1] == self.hidden_size, f"hidden {tuple(hidden.shape)}"
+        x = hidden.float()
+        if self.with_markov:
+            assert markov_emb is not None and markov_emb.shape == (hidden.shape[0], self.rank), \
+                "this confidence head takes [h_k ; W1[prev_k]]: pass markov_emb [K, r]"
+            x = torch.cat([x, markov_emb.float().to(x.device)], dim=-1)
+        return _linear(self.proj, x).squeeze(-1)
+
+    def forward(self, hidden: Tensor, markov_emb: Tensor | None = None, start: int = 0) -> Tensor:
+        """Calibrated confidences [K]; row i is block position start + i."""
+        logits = self.logits(hidden, markov_emb)
+        return torch.sigmoid(logits / self.position_temperatures(logits.shape[0], start).to(logits.device))
+
+
+@dataclass
+class Chain:
+    tokens: list[int]  # target ids
+    logprobs: Tensor  # [K] fp32: log-prob of each token under the distribution it was drafted from
+    confidences: Tensor | None  # [K] fp32
+
+
+@dataclass
+class _ChainSteps:
+    draft_tokens: list[int]
+    tokens: list[int]
+    logprobs: Tensor  # [K]
+    embeddings: Tensor | None  # [K, r] = W1[prev_k]
+    logits: Tensor  # [K, V_d] corrected logits Z_k
+
+
+def to_target(draft_token: int, d2t: Tensor | None) -> int:
+    return draft_token if d2t is None else draft_token + int(d2t[draft_token])
+
+
+def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    bias = None if layer.bias is None else layer.bias.float()
+    return F.linear(x, layer.weight.float(), bias)
+
+
+def _check_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d2t: Tensor | None) -> None:
+    assert base_logits.dim() == 2, f"base_logits must be [K, V_d], got {tuple(base_logits.shape)}"
+    vocab = base_logits.shape[1]
+    if markov is not None:
+        assert markov.draft_vocab == vocab, f"markov head drafts {markov.draft_vocab} tokens, logits have {vocab}"
+        if not 0 <= anchor < markov.target_vocab:
+            raise ValueError(f"anchor {anchor} outside the target vocabulary [0, {markov.target_vocab})")
+    if d2t is not None:
+        assert d2t.shape == (vocab,), f"d2t must be [V_d={vocab}], got {tuple(d2t.shape)}"
+
+
+def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidden_post: Tensor | None = None,
+              d2t: Tensor | None = None, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> _ChainSteps:
+    """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0."""
+    _check_inputs(base_logits, anchor, markov, d2t)
+    n = base_logits.shape[0]
+    w2 = None if markov is None else markov.w2.weight.float()
+    state = None if markov is None else markov.init_state()
+    prev, draft_tokens, tokens, logprobs, embeddings, logits = anchor, [], [], [], [], []
+    for k in range(n):
+        z = base_logits[k].float()
+        if markov is not None:
+            e, v, state = markov.step_vector(prev, None if hidden_post is None else hidden_post[k], state)
+            z = z + w2 @ v
+            embeddings.append(e)
+        if temperature > 0:
+            logp = torch.log_softmax(z / temperature, dim=-1)
+            x = int(torch.multinomial(logp.exp(), 1, generator=generator))
+        else:
+            logp = torch.log_softmax(z, dim=-1)
+            x = int(torch.argmax(z))  # the first maximal index: ties go to the lowest draft id
+        draft_tokens.append(x)
+        prev = to_target(x, d2t)
+        tokens.append(prev)
+        logprobs.append(logp[x])
+        logits.append(z)
+    emb = torch.stack(embeddings) if embeddings else None
+    lp = torch.stack(logprobs) if logprobs else torch.zeros(0)
+    z_all = torch.stack(logits) if logits else base_logits.float()
+    return _ChainSteps(draft_tokens, tokens, lp, emb, z_all)
+
+
+def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, device: torch.device | str) -> str:
+    """'auto' -> 'fused' when Triton can run here, the head is vanilla (or absent) and decoding is greedy."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel != "auto":
+        return kernel
+    from .markov_triton import triton_runnable
+
+    fusable = (markov is None or markov.kind == "vanilla") and temperature == 0
+    return "fused" if fusable and triton_runnable(device) else "torch"
+
+
+def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
+                markov: MarkovHead | None, confidence: ConfidenceHead | None, d2t: Tensor | None = None,
+                kernel: str = "auto", temperature: float = 0.0, generator: torch.Generator | None = None) -> Chain:
+    """base_logits [K, V_d], hidden_pre/post [K, H] (before/after the drafter's final norm) -> the DSpark chain.
+
+    Greedy (ties -> lowest draft id) when temperature == 0, else x_k ~ softmax(Z_k / T) with `generator`.
+    Chain.logprobs are under softmax(Z_k) when greedy and softmax(Z_k / T) when sampling.
+    """
+    assert base_logits.dim() == 2 and hidden_pre.dim() == 2 and hidden_post.shape == hidden_pre.shape
+    assert hidden_pre.shape[0] == base_logits.shape[0], "one hidden row per drafted slot"
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if confidence is not None and confidence.with_markov and markov is None:
+        raise ValueError("the confidence head takes W1[prev_k] but the drafter has no Markov head")
+    if choose_kernel(kernel, markov, temperature, base_logits.device) == "fused":
+        from .markov_triton import markov_chain_fused
+
+        if temperature != 0:
+            raise ValueError("the fused Markov kernel is greedy only; use kernel='torch' for temperature > 0")
+        return markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t)
+    steps = run_chain(base_logits, anchor, markov, hidden_post, d2t, temperature, generator)
+    conf = None
+    if confidence is not None:
+        conf = confidence(confidence.select_hidden(hidden_pre, hidden_post), steps.embeddings)
+    return Chain(steps.tokens, steps.logprobs, conf)
