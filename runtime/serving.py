@@ -3,20 +3,49 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from collections.abc import Callable
 
 import grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.runtime.errors import ServiceError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("dspark.serving")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prefill capture of a few thousand rows fits
 
 
 def status_code(code: int) -> grpc.StatusCode:
     return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
+
+
+def run_session_op(dispatch: Callable[[object, object], dict], request, owner: object, response_type: type):
+    """One operation of a session stream. Every failure becomes an in-band status and the stream goes on."""
+    try:
+        return response_type(request_id=request.request_id, **dispatch(request, owner))
+    except ServiceError as e:
+        status = common_pb2.Status(code=e.code, message=e.message)
+    except Exception as e:  # a bug must not take the stream or the server down
+        log.exception("session operation failed")
+        status = common_pb2.Status(code=13, message=f"internal error: {type(e).__name__}: {e}")
+    return response_type(request_id=request.request_id, status=status)
+
+
+async def session_stream(request_iterator, handle: Callable, executor, release_owner: Callable[[object], object]):
+    """The body of a session stream RPC: each request is handled off the event loop, in order, by
+    `handle(request, owner)`; when the stream ends (done, cancelled, deadline) its sessions are released."""
+    owner = object()
+    loop = asyncio.get_running_loop()
+    try:
+        async for request in request_iterator:
+            yield await loop.run_in_executor(executor, handle, request, owner)
+    finally:
+        release_owner(owner)
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,11 +11,9 @@ from dspark_grpc.client.generation import GenerationConfig, RequestError, genera
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.runtime.sampling import SamplingParams
-from dspark_grpc.runtime.serving import status_code
+from dspark_grpc.runtime.serving import run_session_op, session_stream, status_code
 from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
-
-log = logging.getLogger("dspark.target")
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -86,26 +83,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -- session stream -----------------------------------------------------------------------------
 
     async def TargetSession(self, request_iterator, context):
-        owner = object()
-        loop = asyncio.get_running_loop()
-        try:
-            async for request in request_iterator:
-                yield await loop.run_in_executor(self.executor, self.handle, request, owner)
-        finally:
-            if self.engine is not None:
-                self.engine.release_owner(owner)
+        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner):
+            yield response
+
+    def _release_owner(self, owner: object) -> None:
+        if self.engine is not None:
+            self.engine.release_owner(owner)
 
     def handle(self, request: target_pb2.TargetSessionRequest, owner: object) -> target_pb2.TargetSessionResponse:
-        """One session operation; every failure becomes an in-band status and the stream goes on."""
-        try:
-            result = self._dispatch(request, owner)
-            return target_pb2.TargetSessionResponse(request_id=request.request_id, **result)
-        except ServiceError as e:
-            status = common_pb2.Status(code=e.code, message=e.message)
-        except Exception as e:  # a bug must not take the stream or the server down
-            log.exception("session operation failed")
-            status = common_pb2.Status(code=13, message=f"internal error: {type(e).__name__}: {e}")
-        return target_pb2.TargetSessionResponse(request_id=request.request_id, status=status)
+        return run_session_op(self._dispatch, request, owner, target_pb2.TargetSessionResponse)
 
     def _dispatch(self, request: target_pb2.TargetSessionRequest, owner: object) -> dict:
         engine = self.ready_engine()
