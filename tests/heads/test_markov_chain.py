@@ -1,0 +1,197 @@
+"""The Markov-corrected chain: Triton kernel (interpreter) == torch path == float64 reference loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain
+
+from .reference import reference_chain
+
+K, V_D, V_T, R, H = 4, 300, 500, 8, 16  # vocab 300 with 128-wide tiles: the last tile is partly masked
+TILE = 128
+
+
+def needs_triton():
+    pytest.importorskip("triton")
+
+
+def make_heads(kind: str = "vanilla", with_markov: bool = True, pre_norm: bool = False, seed: int = 0,
+               temperatures: list[float] | None = None) -> tuple[MarkovHead, ConfidenceHead]:
+    torch.manual_seed(seed)
+    markov = MarkovHead(kind, V_T, V_D, R, H).requires_grad_(False)
+    conf = ConfidenceHead(H, R, with_markov, pre_norm, temperatures).requires_grad_(False)
+    return markov, conf
+
+
+def make_inputs(seed: int = 0, k: int = K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return 3 * torch.randn(k, V_D, generator=g), torch.randn(k, H, generator=g), torch.randn(k, H, generator=g)
+
+
+def make_d2t(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randperm(V_T, generator=g)[:V_D].sort().values
+    return targets - torch.arange(V_D)  # offsets: target = draft + d2t[draft]
+
+
+def fused(*args, **kw):
+    from dspark_grpc.runtime.markov_triton import markov_chain_fused
+
+    return markov_chain_fused(*args, block_v=TILE, **kw)
+
+
+def assert_same_chain(a, b, atol: float = 1e-5) -> None:
+    assert a.tokens == b.tokens
+    torch.testing.assert_close(a.logprobs.double(), b.logprobs.double(), atol=atol, rtol=0)
+    if b.confidences is None:
+        assert a.confidences is None
+    else:
+        torch.testing.assert_close(a.confidences.double(), b.confidences.double(), atol=atol, rtol=0)
+
+
+def test_parameter_names_and_shapes():
+    names = {kind: {k: tuple(v.shape) for k, v in MarkovHead(kind, V_T, V_D, R, H).state_dict().items()}
+             for kind in ("vanilla", "gated", "rnn")}
+    assert names["vanilla"] == {"w1.weight": (V_T, R), "w2.weight": (V_D, R)}
+    assert names["gated"] == {**names["vanilla"], "gate_proj.weight": (R, H + R), "gate_proj.bias": (R,)}
+    assert names["rnn"] == {**names["vanilla"], "joint_proj.weight": (3 * R, 2 * R + H), "joint_proj.bias": (3 * R,)}
+    conf = ConfidenceHead(H, R, True, False, [1.0, 2.0])
+    assert {k: tuple(v.shape) for k, v in conf.state_dict().items()} == {"proj.weight": (1, H + R), "proj.bias": (1,)}
+    assert ConfidenceHead(H, R, False, False).proj.in_features == H
+    with pytest.raises(ValueError, match="kind"):
+        MarkovHead("lstm", V_T, V_D, R, H)
+
+
+def test_vanilla_bias_is_w2_w1():
+    markov, _ = make_heads()
+    bias, state = markov.bias(7)
+    torch.testing.assert_close(bias, markov.w2.weight @ markov.w1.weight[7])
+    assert state is None
+
+
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_fused_equals_torch_equals_reference(with_d2t: bool):
+    needs_triton()
+    markov, conf = make_heads(temperatures=[1.0, 1.5, 0.7])
+    d2t = make_d2t() if with_d2t else None
+    for seed in range(2):
+        u, h_pre, h_post = make_inputs(seed)
+        ref = reference_chain(u, h_pre, h_post, 11, markov, conf, d2t)
+        torch_chain = draft_chain(u, h_pre, h_post, 11, markov, conf, d2t, kernel="torch")
+        fused_chain = fused(u, h_pre, h_post, 11, markov, conf, d2t)
+        assert_same_chain(torch_chain, ref)
+        assert_same_chain(fused_chain, ref)
+        assert len(set(ref.tokens)) > 1
+
+
+def dyadic(shape: tuple[int, ...], g: torch.Generator, scale: int) -> torch.Tensor:
+    # Small multiples of 1/scale: every product and sum below is exact in fp32, whatever the summation order.
+    return torch.randint(-scale, scale + 1, shape, generator=g).float() / scale
+
+
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_forced_ties_go_to_the_lowest_draft_id(path: str):
+    if path == "fused":
+        needs_triton()
+    g = torch.Generator().manual_seed(3)
+    markov, conf = make_heads()
+    markov.w1.weight.copy_(dyadic((V_T, R), g, 4))
+    markov.w2.weight.copy_(dyadic((V_D, R), g, 4))
+    u = dyadic((K, V_D), g, 8)
+    # Per slot, two draft ids share the maximal logit exactly: across tiles, inside a tile, vs the masked
+    # last tile, and at ids 0/1.
+    pairs = [(40, 250), (70, 90), (130, 299), (0, 1)]
+    for k, (a, b) in enumerate(pairs):
+        markov.w2.weight[b] = markov.w2.weight[a]
+        u[k, a] = u[k, b] = 40.0
+    _, h_pre, h_post = make_inputs()
+    run = fused if path == "fused" else lambda *a: draft_chain(*a, kernel="torch")
+    chain = run(u, h_pre, h_post, 5, markov, conf, None)
+    assert chain.tokens == [a for a, _ in pairs]
+    assert_same_chain(chain, reference_chain(u, h_pre, h_post, 5, markov, conf))
+    torch.testing.assert_close(chain.logprobs.exp(), torch.full((K,), 0.5), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_gated_and_rnn_torch_path_equals_reference(kind: str, with_d2t: bool):
+    markov, conf = make_heads(kind, seed=1)
+    d2t = make_d2t(1) if with_d2t else None
+    u, h_pre, h_post = make_inputs(2)
+    ref = reference_chain(u, h_pre, h_post, 3, markov, conf, d2t)
+    assert_same_chain(draft_chain(u, h_pre, h_post, 3, markov, conf, d2t, kernel="auto"), ref)
+    # they read h_post: another post-norm hidden state changes the chain's logits
+    other = draft_chain(u, h_pre, h_post + 1, 3, markov, conf, d2t, kernel="torch")
+    assert not torch.allclose(other.logprobs, ref.logprobs.float())
+
+
+def test_rnn_bias_carries_state():
+    markov, _ = make_heads("rnn", seed=2)
+    h = torch.randn(H)
+    b1, s1 = markov.bias(4, h, None)
+    assert s1.shape == (R,) and s1.abs().sum() > 0
+    torch.testing.assert_close(markov.bias(4, h, torch.zeros(R))[0], b1)  # s_0 = 0
+    b2, s2 = markov.bias(4, h, s1)
+    assert not torch.allclose(b1, b2) and not torch.allclose(s1, s2)
+
+
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_without_markov_head_is_plain_argmax(path: str):
+    if path == "fused":
+        needs_triton()
+    _, conf = make_heads(with_markov=False)
+    u, h_pre, h_post = make_inputs(4)
+    d2t = make_d2t(4)
+    run = fused if path == "fused" else lambda *a: draft_chain(*a, kernel="torch")
+    chain = run(u, h_pre, h_post, 9, None, conf, d2t)
+    draft_ids = u.argmax(-1)
+    assert chain.tokens == (draft_ids + d2t[draft_ids]).tolist()
+    torch.testing.assert_close(chain.logprobs, u.log_softmax(-1).gather(1, draft_ids[:, None])[:, 0])
+    assert_same_chain(chain, reference_chain(u, h_pre, h_post, 9, None, conf, d2t))
+
+
+def test_fused_with_bf16_weights_and_logits():
+    needs_triton()
+    markov, conf = make_heads(seed=5)
+    markov.to(torch.bfloat16)
+    conf.to(torch.bfloat16)
+    u, h_pre, h_post = (t.to(torch.bfloat16) for t in make_inputs(5))
+    torch_chain = draft_chain(u, h_pre, h_post, 2, markov, conf, kernel="torch")
+    assert_same_chain(fused(u, h_pre, h_post, 2, markov, conf), torch_chain, atol=1e-4)
+
+
+def test_kernel_choice(monkeypatch):
+    needs_triton()
+    vanilla, conf = make_heads()
+    gated, _ = make_heads("gated")
+    assert choose_kernel("auto", vanilla, 0.0, "cpu") == "fused"
+    assert choose_kernel("auto", None, 0.0, "cpu") == "fused"
+    assert choose_kernel("auto", gated, 0.0, "cpu") == "torch"
+    assert choose_kernel("auto", vanilla, 0.7, "cpu") == "torch"
+    assert choose_kernel("torch", vanilla, 0.0, "cpu") == "torch"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        choose_kernel("cuda", vanilla, 0.0, "cpu")
+    u, h_pre, h_post = make_inputs()
+    with pytest.raises(ValueError, match="vanilla head only"):
+        draft_chain(u, h_pre, h_post, 1, gated, conf, kernel="fused")
+    with pytest.raises(ValueError, match="greedy only"):
+        draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused", temperature=0.5)
+    # auto under the interpreter takes the fused path and gives the torch path's chain
+    assert_same_chain(draft_chain(u, h_pre, h_post, 1, vanilla, conf), draft_chain(u, h_pre, h_post, 1, vanilla, conf,
+                                                                                    kernel="torch"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert choose_kernel("auto", vanilla, 0.0, "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="cannot run"):
+        draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused")
+
+
+def test_bad_inputs():
+    markov, conf = make_heads()
+    u, h_pre, h_post = make_inputs()
+    with pytest.raises(ValueError, match="anchor"):
+        draft_chain(u, h_pre, h_post, V_T, markov, conf, kernel="torch")
+    with pytest.raises(ValueError, match="no Markov head"):
+        draft_chain(u, h_pre, h_post, 1, None, conf, kernel="torch")
+    with pytest.raises(ValueError, match="temperature"):
+        draft_chain(u, h_pre, h_post, 1, markov, conf, kernel="torch", temperature=-1.0)
