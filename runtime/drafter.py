@@ -1,0 +1,170 @@
+"""The DFlash/DSpark drafter backbone: target features injected as context K/V, one block forward per proposal.
+
+Context rows (committed positions 0..n-1) have no queries: their target features go through `fc` + `hidden_norm`
+and then each layer's k/v projections (k_norm, RoPE at the absolute position). A block [anchor, MASK x (B-1)] at
+positions n..n+B-1 attends to those rows and to itself (bidirectionally in full-attention layers; sliding layers
+see a window of context and are causal inside the block unless the checkpoint says otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .drafter_config import DrafterConfig
+from .kv_cache import KVCache
+from .markov import ConfidenceHead, MarkovHead
+from .rope import rope_cos_sin, rope_inv_freq
+from .transformer import Block, RMSNorm
+
+
+@dataclass
+class BlockOutput:
+    hidden_pre_norm: Tensor  # [n_drafts, H] before the final norm
+    hidden_post_norm: Tensor  # [n_drafts, H]
+    base_logits: Tensor  # [n_drafts, draft_vocab] float32, without the Markov bias
+
+
+class _BlockKV:
+    """KVSource for a block: attends to [context K/V ; block K/V] and stores nothing."""
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.k, self.v = k, v
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+
+
+def sliding_mask(query_pos: Tensor, key_pos: Tensor, window: int, causal: bool) -> Tensor:
+    """[T, S] bool: keys within `window` positions of each query (only earlier ones when causal)."""
+    delta = query_pos[:, None] - key_pos[None, :]
+    mask = delta < window
+    return mask & (delta >= 0) if causal else mask & (-delta < window)
+
+
+def confidence_head(config: DrafterConfig) -> ConfidenceHead:
+    temps = None if config.confidence_temperatures is None else list(config.confidence_temperatures)
+    # Small, and its temperature buffer must hold real values even when the drafter is built on "meta".
+    device = "cpu" if torch.get_default_device().type == "meta" else None
+    with torch.device(device) if device else contextlib.nullcontext():
+        return ConfidenceHead(config.hidden_size, config.markov_rank, config.confidence_with_markov,
+                              config.confidence_pre_norm, temps)
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        layer_config = c.layer_model_config()
+        self.fc = nn.Linear(c.fc_in_features, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(layer_config) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)  # a frozen copy of the target's
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long) if c.draft_vocab_size < c.vocab_size else None
+        self.register_buffer("d2t", d2t)  # target id = draft id + d2t[draft id]
+        self.markov = (
+            MarkovHead(c.markov_head_type, c.vocab_size, c.draft_vocab_size, c.markov_rank, c.hidden_size)
+            if c.markov_rank
+            else None
+        )
+        self.confidence = confidence_head(c) if c.confidence_enabled else None
+        # float32 and outside the state: `.to(bfloat16)` must not round the frequencies.
+        with torch.device("cpu"):
+            self.inv_freq, self.attention_scaling = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_context(self, max_length: int | None = None, initial_capacity: int = 256) -> DraftContext:
+        return DraftContext(self, max_length, initial_capacity)
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions.to(self.device), self.inv_freq.to(self.device), self.attention_scaling, dtype)
+
+    def context_kv(self, features: Tensor, start: int) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (K, V) [num_kv_heads, n, head_dim] of context rows start..start+n-1.
+
+        features: [n, m, target_hidden] or [n, m * target_hidden], the target's hidden states at target_layer_ids.
+        """
+        n, m, width = features.shape[0], len(self.config.target_layer_ids), self.config.target_hidden_size
+        if features.shape[1:] not in ((m, width), (m * width,)):
+            expected = f"[n, {m}, {width}] or [n, {m * width}]"
+            raise ValueError(f"context features {tuple(features.shape)}: expected {expected}")
+        x = features.reshape(n, -1).to(device=self.device, dtype=self.dtype)
+        x = self.hidden_norm(self.fc(x))
+        cos, sin = self.rope(torch.arange(start, start + n), x.dtype)
+        return [layer.attention.project_kv(x, cos, sin) for layer in self.layers]
+
+    @torch.no_grad()
+    def forward_block(self, ctx: DraftContext, anchor_token: int) -> BlockOutput:
+        """The block [anchor, MASK x (B-1)] at positions ctx.length .. ctx.length + B - 1; rows = the draft slots."""
+        c = self.config
+        if not 0 <= anchor_token < c.vocab_size:
+            raise ValueError(f"anchor token {anchor_token} outside the vocabulary [0, {c.vocab_size})")
+        B, n = c.block_size, ctx.length
+        tokens = torch.full((B,), c.mask_token_id, dtype=torch.long, device=self.device)
+        tokens[0] = anchor_token
+        positions = torch.arange(n, n + B, device=self.device)
+        x = self.embed(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = ctx.layer_kv(i)
+            mask = None
+            if c.layer_types[i] == "sliding_attention":
+                assert c.sliding_window is not None
+                first = max(0, n - c.sliding_window + 1)  # the earliest row any block query can see
+                k, v = k[:, first:], v[:, first:]
+                key_pos = torch.cat([torch.arange(first, n, device=self.device), positions])
+                mask = sliding_mask(positions, key_pos, c.sliding_window, c.causal_sliding)
+            x = layer(x, cos, sin, mask, _BlockKV(k, v))
+        rows = x if c.slot_convention == "dspark" else x[1:]
+        assert rows.shape == (c.num_drafts, c.hidden_size), rows.shape
+        post = self.norm(rows)
+        return BlockOutput(rows, post, self.lm_head(post).float())
+
+
+class DraftContext:
+    """One session's context K/V for every draft layer: rows 0..length-1, RoPE at their absolute positions."""
+
+    def __init__(self, drafter: Drafter, max_length: int | None = None, initial_capacity: int = 256) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        max_length = c.max_position_embeddings if max_length is None else max_length
+        self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_length, drafter.dtype, drafter.device,
+                             initial_capacity)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @torch.no_grad()
+    def append(self, features: Tensor, start: int) -> None:
+        """Context rows start..start+n-1 from the target's features [n, m, target_hidden] (or [n, m*target_hidden])."""
+        if start != self.length:
+            raise ValueError(f"append at {start}, but the context holds {self.length} rows")
+        n = features.shape[0]
+        if n == 0:
+            return
+        self.cache.begin(n)
+        for i, (k, v) in enumerate(self.drafter.context_kv(features, start)):
+            self.cache.layer(i).update(k.to(self.cache.dtype), v.to(self.cache.dtype))
+        self.cache.commit(range(n))
+
+    def truncate(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def layer_kv(self, index: int) -> tuple[Tensor, Tensor]:
+        """Layer `index`'s context K, V [num_kv_heads, length, head_dim] (views)."""
+        n = self.length
+        return self.cache.k[index][:, :n], self.cache.v[index][:, :n]
