@@ -165,7 +165,7 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
         tokens.append(prev)
         logprobs.append(logp[x])
         logits.append(z)
-    emb = torch.stack(embeddings) if embeddings else None
+    emb = None if markov is None else torch.stack(embeddings) if embeddings else torch.zeros(0, markov.rank)
     lp = torch.stack(logprobs) if logprobs else torch.zeros(0)
     z_all = torch.stack(logits) if logits else base_logits.float()
     return _ChainSteps(draft_tokens, tokens, lp, emb, z_all)

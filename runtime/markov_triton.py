@@ -3,13 +3,10 @@
 Per slot k: e = W1[prev]; one pass over vocab tiles computes z = U[k] + W2 · e with a running max/argmax
 (ties -> lowest index) and an online logsumexp, so log p(x_k) = max - lse comes out of the same pass; then
 c_k = sigmoid((w · [h_k ; e] + b) / T_k) and prev = x_k (+ d2t[x_k]). The chain is sequential: grid (1,).
-On CPU it runs only under TRITON_INTERPRET=1 (set before this module jits the kernel).
+On CPU it runs only under TRITON_INTERPRET=1, set before triton is first imported.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 from torch import Tensor
@@ -23,15 +20,15 @@ except ImportError:  # the torch path still works; kernel="fused" says why it ca
     triton = tl = None
 
 
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+# triton (its own library kernels included) picks the interpreter or the compiler when it is imported.
+_INTERPRET = triton is not None and bool(triton.knobs.runtime.interpret)
 
 
 def triton_runnable(device: torch.device | str) -> bool:
-    """Triton is importable and can run here: the interpreter is on, or `device` is a visible CUDA device."""
+    """Triton can run here: TRITON_INTERPRET=1 was set before triton was imported, or `device` is a CUDA device."""
     if triton is None:
         return False
-    if triton_interpreting():
+    if _INTERPRET:
         return True
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
@@ -91,11 +88,7 @@ def _chain_kernel(
         prev = tok
 
 
-@functools.cache
-def _jitted(interpret: bool):
-    # triton.jit picks the interpreter or the compiler when it decorates, so decorate per mode.
-    del interpret
-    return triton.jit(_chain_kernel)
+_chain_kernel = None if triton is None else triton.jit(_chain_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -109,7 +102,7 @@ def markov_chain_fused(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Ten
     device = base_logits.device
     if not triton_runnable(device):
         why = "triton is not installed" if triton is None else \
-            f"no CUDA device for {device} tensors and TRITON_INTERPRET=1 is not set"
+            f"no CUDA device for {device} tensors, and TRITON_INTERPRET=1 was not set before triton was imported"
         raise RuntimeError(f"the fused Markov kernel cannot run: {why}; use kernel='torch' or 'auto'")
     if markov is not None and markov.kind != "vanilla":
         raise ValueError(f"the fused Markov kernel supports the vanilla head only, not {markov.kind!r}; "
@@ -144,12 +137,12 @@ def markov_chain_fused(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Ten
     tokens = torch.empty(n, dtype=torch.int64, device=device)
     logprobs = torch.empty(n, dtype=torch.float32, device=device)
     conf = torch.empty(n, dtype=torch.float32, device=device)
-    interpret = triton_interpreting()
     block_r = _pow2(max(rank, 16))
     if block_v is None:
-        block_v = min(_pow2(vocab), 4096) if interpret else max(16, min(1024, 8192 // block_r))
-    block_h = min(_pow2(hidden), 4096 if interpret else 1024)
-    _jitted(interpret)[(1,)](
+        block_v = min(_pow2(vocab), 4096) if _INTERPRET else max(16, min(1024, 16384 // block_r))
+    assert block_v & (block_v - 1) == 0, f"block_v must be a power of two, got {block_v}"
+    block_h = min(_pow2(hidden), 4096 if _INTERPRET else 1024)
+    _chain_kernel[(1,)](
         u, w1, w2, d2t_t, anchor_t, h, cw, cb, temps,
         tokens, logprobs, conf,
         n, vocab, rank, hidden, temps.numel(),

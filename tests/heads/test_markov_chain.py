@@ -180,10 +180,23 @@ def test_kernel_choice(monkeypatch):
     # auto under the interpreter takes the fused path and gives the torch path's chain
     assert_same_chain(draft_chain(u, h_pre, h_post, 1, vanilla, conf), draft_chain(u, h_pre, h_post, 1, vanilla, conf,
                                                                                     kernel="torch"))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from dspark_grpc.runtime import markov_triton
+
+    monkeypatch.setattr(markov_triton, "_INTERPRET", False)  # as if triton had been imported without it
     assert choose_kernel("auto", vanilla, 0.0, "cpu") == "torch"
     with pytest.raises(RuntimeError, match="cannot run"):
         draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused")
+
+
+@pytest.mark.parametrize("path", ["torch", "fused"])
+def test_empty_chain(path: str):
+    if path == "fused":
+        needs_triton()
+    markov, conf = make_heads()
+    u, h_pre, h_post = make_inputs(k=0)
+    run = fused if path == "fused" else lambda *a: draft_chain(*a, kernel="torch")
+    chain = run(u, h_pre, h_post, 1, markov, conf, None)
+    assert chain.tokens == [] and chain.logprobs.shape == (0,) and chain.confidences.shape == (0,)
 
 
 def test_bad_inputs():
