@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 
 PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
 
@@ -79,9 +79,90 @@ class GenerationConfig:
     ignore_eos: bool = False
 
 
+class DraftOps(Protocol):
+    """A DraftSession stream: one request, one response, in order; `timeout` bounds the wait for it."""
+
+    def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None
+             ) -> draft_pb2.DraftSessionResponse: ...
+
+
+@dataclass
+class SpeculationConfig:
+    drafter: DraftOps
+    info: draft_pb2.GetDrafterInfoResponse
+    kind: int = draft_pb2.PROPOSAL_KIND_CHAIN
+    budget: int = 0  # 0 = the drafter's default (its whole block for a chain)
+    kernel: int = draft_pb2.KERNEL_CHOICE_UNSPECIFIED
+    timeout_s: float = 10.0  # per drafter call; slower means the drafter is treated as failed
+
+
+class Speculator:
+    """The client's side of one draft session. Any drafter failure turns it off for the rest of the request
+    (the request goes on target-only: same tokens) and records why."""
+
+    def __init__(self, spec: SpeculationConfig) -> None:
+        self.spec = spec
+        self.session_id = ""
+        self.failure: str | None = None
+        self._ids = iter(range(1, 1 << 62))
+
+    @property
+    def active(self) -> bool:
+        return self.failure is None
+
+    def _call(self, **op: object):
+        request = draft_pb2.DraftSessionRequest(request_id=next(self._ids), **op)
+        try:
+            response = self.spec.drafter.call(request, timeout=self.spec.timeout_s)
+        except Exception as e:  # noqa: BLE001 - transport errors, timeouts, a dead drafter: all fail closed
+            raise RequestError(getattr(e, "code", 14) if isinstance(getattr(e, "code", None), int) else 14,
+                               f"{type(e).__name__}: {e}") from e
+        response = checked(response)
+        return getattr(response, response.WhichOneof("result"))
+
+    def _guard(self, what: str, **op: object):
+        if not self.active:
+            return None
+        try:
+            return self._call(**op)
+        except RequestError as e:
+            self.failure = f"drafter {what} failed ({_CODE_NAMES.get(e.code, e.code)}: {e.message}); " \
+                           "continued target-only"
+            return None
+
+    def open(self, target: common_pb2.Fingerprint) -> None:
+        opened = self._guard("open", open=draft_pb2.OpenDraft(protocol_version=PROTOCOL_VERSION, target=target))
+        if opened is not None:
+            self.session_id = opened.session_id
+
+    def append(self, start: int, tokens: list[int], capture: common_pb2.HiddenCapture) -> None:
+        self._guard("append", append=draft_pb2.AppendContext(session_id=self.session_id, start_position=start,
+                                                              tokens=tokens, capture=capture))
+
+    def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> common_pb2.TokenTree | None:
+        proposal = self._guard("propose", propose=draft_pb2.Propose(
+            session_id=self.session_id, anchor_token=anchor, anchor_position=position, kind=self.spec.kind,
+            budget=self.spec.budget, kernel=self.spec.kernel, sampling=sampling))
+        if proposal is None:
+            return None
+        if not proposal.tree.tokens or proposal.tree.tokens[0] != anchor:
+            self.failure = "drafter returned a tree whose root is not the anchor; continued target-only"
+            return None
+        return proposal.tree
+
+    def release(self) -> None:
+        if self.session_id and self.active:
+            try:
+                self._call(release=draft_pb2.ReleaseDraft(session_id=self.session_id))
+            except RequestError:
+                pass
+
+
 def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: GenerationConfig,
-                    eos_token_ids: frozenset[int], stats: common_pb2.GenerationStats) -> Iterator[Delta]:
-    """Prefill, then one target step per iteration; yields what each step adds. Releases the session."""
+                    eos_token_ids: frozenset[int], stats: common_pb2.GenerationStats,
+                    speculation: SpeculationConfig | None = None) -> Iterator[Delta]:
+    """Prefill, then one target forward per step (verifying the drafter's proposal when speculating);
+    yields what each step adds. Releases its sessions on every exit."""
     if config.max_new_tokens <= 0:
         raise RequestError(3, f"max_new_tokens must be positive, got {config.max_new_tokens}")
     ids = iter(range(1, 1 << 62))
@@ -89,17 +170,27 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
     def call(**op: object) -> target_pb2.TargetSessionResponse:
         return checked(target.call(target_pb2.TargetSessionRequest(request_id=next(ids), **op)))
 
-    opened = call(open=target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION)).opened
+    drafter = Speculator(speculation) if speculation is not None else None
+    open_op = target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION)
+    if drafter is not None:
+        open_op.capture_layer_ids.extend(speculation.info.target_layer_ids)
+        open_op.drafter_target.CopyFrom(speculation.info.target)
+    opened = call(open=open_op).opened
     sid = opened.session_id
     stop = StopStrings(list(config.stop))
+    drafted: list[int] = []  # per depth: steps that drafted a token at that depth
+    accepted: list[int] = []  # per depth: steps whose accepted path reached that depth
     t0 = time.perf_counter()
     try:
+        if drafter is not None:
+            drafter.open(opened.fingerprint)
         pre = call(prefill=target_pb2.Prefill(session_id=sid, prompt=prompt, sampling=config.sampling)).prefilled
         t_prefill = time.perf_counter()
         stats.prompt_tokens = len(pre.prompt_tokens)
         stats.prefill_seconds = t_prefill - t0
-        stats.mode_run = common_pb2.DECODE_MODE_AR
         length = len(pre.prompt_tokens)
+        if drafter is not None:
+            drafter.append(0, list(pre.prompt_tokens), pre.capture)
         emitted, texts = [pre.next_token], [pre.text]
         while True:
             delta = Delta("", [])
@@ -122,29 +213,89 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             if delta.finish_reason and delta.finish_reason != common_pb2.FINISH_REASON_STOP_STRING:
                 delta.text += stop.flush()
             if delta.finish_reason:
-                _finish_stats(stats, time.perf_counter() - t_prefill)
+                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, drafter)
                 yield delta
                 return
             yield delta
-            tree = common_pb2.TokenTree(tokens=[emitted[-1]], parents=[-1])
+
+            pending = emitted[-1]
+            tree = None
+            if drafter is not None and drafter.active:
+                t_draft = time.perf_counter()
+                tree = drafter.propose(pending, length, config.sampling)
+                stats.draft_seconds += time.perf_counter() - t_draft
+                if tree is not None:
+                    tree = _fit_tree(tree, opened.max_length - length)
+            if tree is None:
+                tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
             t_step = time.perf_counter()
             verified = call(verify=target_pb2.Verify(session_id=sid, tree=tree, commit=True)).verified
             stats.verify_seconds += time.perf_counter() - t_step
             stats.steps += 1
-            stats.ar_steps += 1
+            depth = _depth(tree.parents)
+            if depth:
+                stats.speculative_steps += 1
+                _count(drafted, depth)
+                _count(accepted, len(verified.accepted_path) - 1)
+            else:
+                stats.ar_steps += 1
+            committed = [tree.tokens[n] for n in verified.accepted_path]
+            if drafter is not None:
+                drafter.append(length, committed, verified.capture)
             length = verified.length
-            emitted = [tree.tokens[n] for n in verified.accepted_path[1:]] + [verified.next_token]
+            emitted = committed[1:] + [verified.next_token]
             texts = list(verified.token_texts)
     finally:
+        if drafter is not None:
+            drafter.release()
         try:
             call(release=target_pb2.Release(session_id=sid))
         except Exception:  # noqa: BLE001 - the stream may already be gone; the server frees it then
             pass
 
 
-def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float) -> None:
+def _depth(parents) -> int:
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
+def _fit_tree(tree: common_pb2.TokenTree, room: int) -> common_pb2.TokenTree | None:
+    """Drop nodes deeper than the context has room for (the root needs one row, each depth one more)."""
+    keep, depth = [], {}
+    for i, p in enumerate(tree.parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+        if depth[i] < room:
+            keep.append(i)
+    if len(keep) == len(tree.tokens):
+        return tree
+    index = {old: new for new, old in enumerate(keep)}
+    return common_pb2.TokenTree(tokens=[tree.tokens[i] for i in keep],
+                                parents=[-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep])
+
+
+def _count(counts: list[int], depth: int) -> None:
+    """counts[d-1] += 1 for d in 1..depth."""
+    counts.extend([0] * (depth - len(counts)))
+    for d in range(depth):
+        counts[d] += 1
+
+
+def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
+                  accepted: list[int], drafter: Speculator | None) -> None:
     stats.decode_seconds = decode_seconds
+    # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
     if stats.steps:
-        stats.acceptance_length = stats.generated_tokens / max(stats.steps, 1)
-    if decode_seconds > 0:
-        stats.tokens_per_second = stats.generated_tokens / (stats.prefill_seconds + decode_seconds)
+        stats.acceptance_length = (stats.generated_tokens - 1) / stats.steps
+    del stats.per_position_acceptance[:]
+    stats.per_position_acceptance.extend(
+        (accepted[d] if d < len(accepted) else 0) / drafted[d] for d in range(len(drafted)))
+    if drafter is None:
+        stats.mode_run = common_pb2.DECODE_MODE_AR
+    else:
+        stats.mode_run = common_pb2.DECODE_MODE_SPECULATION if stats.speculative_steps else common_pb2.DECODE_MODE_AR
+        stats.fallback_reason = drafter.failure or ""
+    total = stats.prefill_seconds + decode_seconds
+    if total > 0:
+        stats.tokens_per_second = stats.generated_tokens / total

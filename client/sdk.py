@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.client.generation import GenerationConfig, RequestError, SpeculationConfig, generate_deltas
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -36,35 +37,75 @@ def make_prompt(prompt: str | None = None, messages: list[dict[str, str]] | None
     return common_pb2.Prompt(tokens=common_pb2.TokenIds(ids=tokens))
 
 
-class TargetStream:
-    """A TargetSession stream driven one request/response at a time (closing it frees its sessions)."""
+class SessionStream:
+    """A session stream (TargetSession or DraftSession) driven one request/response at a time.
 
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, timeout: float | None) -> None:
+    Closing it ends the stream, which frees its sessions on the server. A reader thread keeps replies, so a
+    call can wait with a timeout (a drafter that stops answering is treated as failed, not waited for).
+    """
+
+    def __init__(self, open_stream: Callable, timeout: float | None) -> None:
         self._requests: queue.Queue = queue.Queue()
-        self._responses = stub.TargetSession(iter(self._requests.get, None), timeout=timeout)
+        self._replies: queue.Queue = queue.Queue()
+        self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def call(self, request: target_pb2.TargetSessionRequest) -> target_pb2.TargetSessionResponse:
+    def _read(self) -> None:
+        try:
+            for response in self._responses:
+                self._replies.put(response)
+            self._replies.put(RequestError(14, "the server closed the stream"))
+        except grpc.RpcError as e:
+            self._replies.put(RequestError(e.code().value[0], e.details() or e.code().name))
+
+    def call(self, request, timeout: float | None = None):
         self._requests.put(request)
         try:
-            return next(self._responses)
-        except grpc.RpcError as e:
-            raise RequestError(e.code().value[0], e.details() or str(e.code())) from e
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise RequestError(4, f"no reply within {timeout:g} s") from None
+        if isinstance(reply, RequestError):
+            raise reply
+        return reply
 
     def close(self) -> None:
         self._requests.put(None)
         self._responses.cancel()
 
 
-class TargetClient:
-    """Generate text with a dspark target service. `timeout` is the deadline of each request, in seconds."""
+MODES = ("ar", "speculation", "adaptive")
+PROPOSALS = {"chain": draft_pb2.PROPOSAL_KIND_CHAIN, "tree": draft_pb2.PROPOSAL_KIND_TREE}
+KERNELS = {"auto": draft_pb2.KERNEL_CHOICE_UNSPECIFIED, "fused": draft_pb2.KERNEL_CHOICE_FUSED,
+           "torch": draft_pb2.KERNEL_CHOICE_TORCH}
 
-    def __init__(self, address: str = DEFAULT_TARGET, *, timeout: float | None = 600.0) -> None:
+
+def _channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+
+
+class TargetClient:
+    """Generate text with a dspark target service, speculating with a dspark draft service when given one.
+
+    mode: "ar" (target only), "speculation" (draft every step), "adaptive" (the default: speculate when a
+    drafter is configured). Any drafter failure finishes the request target-only with the same tokens and
+    the reason in `stats.fallback_reason`. `timeout` is the deadline of each request, in seconds.
+    """
+
+    def __init__(self, address: str = DEFAULT_TARGET, *, drafter: str | None = None, mode: str = "adaptive",
+                 proposal: str = "chain", budget: int = 0, kernel: str = "auto", timeout: float | None = 600.0,
+                 draft_timeout: float = 10.0) -> None:
         self.address = address
+        self.drafter_address = drafter
+        self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel)
+        _check_options(**self.defaults)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.draft_timeout = draft_timeout
+        self._channel = _channel(address)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+        self._draft_channel = _channel(drafter) if drafter else None
+        self._draft_stub = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if drafter else None
         self._info: target_pb2.GetModelInfoResponse | None = None
 
     def __enter__(self) -> TargetClient:
@@ -75,46 +116,67 @@ class TargetClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._draft_channel is not None:
+            self._draft_channel.close()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the service reports SERVING (its model is loaded)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # optional dependency of the SDK
-
-        stub = health_pb2_grpc.HealthStub(self._channel)
+        """Block until the target (and the drafter, if any) report SERVING."""
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"target at {self.address} not SERVING after {timeout:g} s")
-            time.sleep(0.2)
+        for channel, address in ((self._channel, self.address), (self._draft_channel, self.drafter_address)):
+            while channel is not None and not _serving(channel):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{address} not SERVING after {timeout:g} s")
+                time.sleep(0.2)
 
     def model_info(self) -> target_pb2.GetModelInfoResponse:
         if self._info is None:
             self._info = self._stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=self.timeout)
         return self._info
 
+    def drafter_info(self) -> draft_pb2.GetDrafterInfoResponse:
+        if self._draft_stub is None:
+            raise ValueError("no drafter configured: TargetClient(..., drafter='host:port')")
+        return self._draft_stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=self.draft_timeout)
+
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                tokens: list[int] | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | tuple = (),
-               ignore_eos: bool = False, stats: common_pb2.GenerationStats | None = None
-               ) -> Iterator[tuple[str, list[int], str | None]]:
-        """Yields (text, token_ids, finish_reason or None) as tokens are committed."""
+               ignore_eos: bool = False, mode: str | None = None, proposal: str | None = None,
+               budget: int | None = None, kernel: str | None = None,
+               stats: common_pb2.GenerationStats | None = None) -> Iterator[tuple[str, list[int], str | None]]:
+        """Yields (text, token_ids, finish_reason or None) as tokens are committed. mode/proposal/budget/kernel
+        override the client's defaults for this request."""
+        options = {**self.defaults, **{k: v for k, v in dict(mode=mode, proposal=proposal, budget=budget,
+                                                               kernel=kernel).items() if v is not None}}
+        _check_options(**options)
+        stats = stats if stats is not None else common_pb2.GenerationStats()
         eos = frozenset(self.model_info().eos_token_ids)
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop),
                                   ignore_eos=ignore_eos)
-        target = TargetStream(self._stub, self.timeout)
+        streams = [SessionStream(self._stub.TargetSession, self.timeout)]
+        speculation = None
+        if options["mode"] != "ar":
+            if self._draft_stub is None:
+                if options["mode"] == "speculation":
+                    raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
+                stats.fallback_reason = "no drafter configured"
+            else:
+                try:
+                    info = self.drafter_info()
+                    streams.append(SessionStream(self._draft_stub.DraftSession, self.timeout))
+                    speculation = SpeculationConfig(
+                        drafter=streams[1], info=info, kind=PROPOSALS[options["proposal"]], budget=options["budget"],
+                        kernel=KERNELS[options["kernel"]], timeout_s=self.draft_timeout)
+                except grpc.RpcError as e:
+                    stats.fallback_reason = f"drafter unavailable ({e.code().name}: {e.details()}); target-only"
         try:
-            for d in generate_deltas(target, make_prompt(prompt, messages, tokens), config, eos,
-                                     stats if stats is not None else common_pb2.GenerationStats()):
+            for d in generate_deltas(streams[0], make_prompt(prompt, messages, tokens), config, eos, stats,
+                                     speculation):
                 yield d.text, d.token_ids, _FINISH[d.finish_reason] if d.finish_reason else None
         finally:
-            target.close()
+            for s in streams:
+                s.close()
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Same arguments as `stream`; returns the whole result with per-request stats."""
@@ -125,3 +187,24 @@ class TargetClient:
             text.append(t)
             ids.extend(toks)
         return GenerationResult("".join(text), ids, finish or "", stats)
+
+
+def _check_options(mode: str, proposal: str, budget: int, kernel: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {tuple(PROPOSALS)}, got {proposal!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0 (0 = the drafter's default), got {budget}")
+
+
+def _serving(channel: grpc.Channel) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    except grpc.RpcError:
+        return False
+    return status == health_pb2.HealthCheckResponse.SERVING

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
-from dspark_grpc.client.sdk import TargetStream
+from dspark_grpc.client.sdk import SessionStream
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -36,7 +36,7 @@ class RawSession:
 
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
-        self.stream = TargetStream(target_pb2_grpc.TargetServiceStub(self.channel), timeout=300)
+        self.stream = SessionStream(target_pb2_grpc.TargetServiceStub(self.channel).TargetSession, timeout=300)
         self.next_id = 0
 
     def call(self, **op) -> target_pb2.TargetSessionResponse:
