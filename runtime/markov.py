@@ -111,7 +111,7 @@ class Chain:
 
 
 @dataclass
-class _ChainSteps:
+class ChainSteps:
     draft_tokens: list[int]
     tokens: list[int]
     logprobs: Tensor  # [K]
@@ -141,7 +141,7 @@ def _check_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d
 
 def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidden_post: Tensor | None = None,
               d2t: Tensor | None = None, temperature: float = 0.0,
-              generator: torch.Generator | None = None) -> _ChainSteps:
+              generator: torch.Generator | None = None) -> ChainSteps:
     """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0."""
     _check_inputs(base_logits, anchor, markov, d2t)
     n = base_logits.shape[0]
@@ -168,7 +168,7 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
     emb = None if markov is None else torch.stack(embeddings) if embeddings else torch.zeros(0, markov.rank)
     lp = torch.stack(logprobs) if logprobs else torch.zeros(0)
     z_all = torch.stack(logits) if logits else base_logits.float()
-    return _ChainSteps(draft_tokens, tokens, lp, emb, z_all)
+    return ChainSteps(draft_tokens, tokens, lp, emb, z_all)
 
 
 def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, device: torch.device | str) -> str:
