@@ -172,7 +172,8 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
 
 
 def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, device: torch.device | str) -> str:
-    """'auto' -> 'fused' when Triton can run here, the head is vanilla (or absent) and decoding is greedy."""
+    """'auto' -> 'fused' on a CUDA device when Triton is there, the head is vanilla (or absent) and decoding is
+    greedy; otherwise 'torch'. The CPU interpreter (TRITON_INTERPRET=1) is for tests: ask for 'fused' to use it."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel != "auto":
@@ -180,7 +181,8 @@ def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, de
     from .markov_triton import triton_runnable
 
     fusable = (markov is None or markov.kind == "vanilla") and temperature == 0
-    return "fused" if fusable and triton_runnable(device) else "torch"
+    on_gpu = torch.device(device).type == "cuda"
+    return "fused" if fusable and on_gpu and triton_runnable(device) else "torch"
 
 
 def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
