@@ -14,11 +14,11 @@ _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 @contextlib.contextmanager
-def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
-                  start_timeout: float = 120.0) -> Iterator[str]:
+def local_service(module: str, args: list[str], *, name: str, echo: bool = True, start_timeout: float = 120.0,
+                  env: dict[str, str] | None = None) -> Iterator[str]:
     """Run `python -m module serve --port 0 ARGS`; yield its address once it listens; stop it on exit."""
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", "0", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     found = threading.Event()
     address: list[str] = []
@@ -48,3 +48,7 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
 
 def local_target(args: list[str] = (), **kwargs) -> contextlib.AbstractContextManager[str]:
     return local_service("dspark_grpc.target_service.cli", list(args), name="target", **kwargs)
+
+
+def local_drafter(args: list[str] = (), **kwargs) -> contextlib.AbstractContextManager[str]:
+    return local_service("dspark_grpc.draft_service.cli", list(args), name="draft", **kwargs)

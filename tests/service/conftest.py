@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.local_stack import local_target
+from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import SessionStream
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +22,16 @@ def target_address() -> str:
     with local_target(args, echo=False) as address:
         with TargetClient(address) as client:
             client.wait_ready(timeout=300)
+        yield address
+
+
+@pytest.fixture(scope="session")
+def draft_address() -> str:
+    """A seeded random drafter for the default target; the CPU Triton interpreter on, so 'fused' can run."""
+    args = ["--drafter", "random", "--seed", "0", "--max-sessions", str(MAX_SESSIONS), "--quiet"]
+    with local_drafter(args, echo=False, env={"TRITON_INTERPRET": "1"}) as address:
+        with TargetClient(address) as probe:
+            probe.wait_ready(timeout=300)
         yield address
 
 

@@ -1,0 +1,64 @@
+"""`dspark-draft serve`: the DSpark draft service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import torch
+from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.draft_service.servicer import DraftServicer
+from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-draft", description="DSpark draft service (gRPC)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="load a DSpark drafter and serve dspark.v1.DraftService",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--drafter", required=True,
+                   help="drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators layout) or "
+                        "a GGUF from dspark-convert; 'random' = a seeded random drafter for the target (tests, demos)")
+    s.add_argument("--target-model", default=None,
+                   help="the target checkpoint the drafter belongs to (its embedding/lm_head and fingerprint); "
+                        "default: the embedded SmolLM2-135M-Instruct GGUF")
+    s.add_argument("--seed", type=int, default=0, help="seed of --drafter random")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed at start-up)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    s.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    s.add_argument("--max-sessions", type=int, default=16)
+    s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
+    s.add_argument("--max-tree-budget", type=int, default=64)
+    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
+    s.add_argument("--quiet", action="store_true", help="no load progress")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    servicer = DraftServicer(max_message_bytes=args.max_message_bytes)
+    limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
+                         max_tree_budget=args.max_tree_budget)
+
+    def load() -> None:
+        servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=DTYPES[args.dtype], limits=limits,
+                                           progress=not args.quiet, seed=args.seed)
+
+    asyncio.run(serve(service_name=SERVICE_NAME,
+                      register=lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
+                      load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                      grace_s=args.grace, log_prefix="[dspark-draft]"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""dspark.v1.DraftService: protobuf <-> DraftEngine. Validation and translation only."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime.errors import InvalidArgument, ServiceError, Unavailable
+from dspark_grpc.runtime.sampling import make_generator
+from dspark_grpc.runtime.serving import run_session_op, session_stream
+from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+
+_KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "auto", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
+            draft_pb2.KERNEL_CHOICE_TORCH: "torch"}
+_SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, max_message_bytes: int, executor: ThreadPoolExecutor | None = None) -> None:
+        self.engine: DraftEngine | None = None  # set once the drafter is loaded
+        self.max_message_bytes = max_message_bytes
+        self.executor = executor or ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft")
+
+    def ready_engine(self) -> DraftEngine:
+        if self.engine is None:
+            raise Unavailable("the drafter is still loading; retry when health reports SERVING")
+        return self.engine
+
+    async def GetDrafterInfo(self, request, context):
+        try:
+            engine = self.ready_engine()
+        except ServiceError as e:
+            await context.abort(grpc.StatusCode[e.code_name], e.message)
+        c = engine.config
+        return draft_pb2.GetDrafterInfoResponse(
+            name=engine.name, block_size=c.block_size, target_layer_ids=c.target_layer_ids,
+            mask_token_id=c.mask_token_id, vocab_size=c.vocab_size,
+            target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
+            protocol_version=PROTOCOL_VERSION, slot_convention=_SLOTS[c.slot_convention], markov_rank=c.markov_rank,
+            has_confidence_head=engine.drafter.confidence is not None, proposers=[draft_pb2.PROPOSER_DSPARK],
+            default_proposer=draft_pb2.PROPOSER_DSPARK, max_sessions=engine.limits.max_sessions,
+            max_tree_budget=engine.limits.max_tree_budget, max_message_bytes=self.max_message_bytes)
+
+    async def DraftSession(self, request_iterator, context):
+        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner):
+            yield response
+
+    def _release_owner(self, owner: object) -> None:
+        if self.engine is not None:
+            self.engine.release_owner(owner)
+
+    def handle(self, request: draft_pb2.DraftSessionRequest, owner: object) -> draft_pb2.DraftSessionResponse:
+        return run_session_op(self._dispatch, request, owner, draft_pb2.DraftSessionResponse)
+
+    def _dispatch(self, request: draft_pb2.DraftSessionRequest, owner: object) -> dict:
+        engine = self.ready_engine()
+        op = request.WhichOneof("op")
+        if op == "open":
+            m = request.open
+            target = (m.target.model, m.target.tokenizer) if m.HasField("target") else None
+            sid = engine.open_session(target, m.protocol_version, owner)
+            return dict(opened=draft_pb2.DraftOpened(session_id=sid, target_layer_ids=engine.config.target_layer_ids))
+        if op == "append":
+            m = request.append
+            capture = None
+            if m.HasField("capture"):
+                if m.capture.start_position != m.start_position:
+                    raise InvalidArgument(f"capture.start_position {m.capture.start_position} differs from "
+                                          f"start_position {m.start_position}")
+                capture = from_proto(m.capture.rows, "append.capture.rows")
+            layers = list(m.capture.layer_ids) if m.HasField("capture") else []
+            length = engine.append(m.session_id, m.start_position, list(m.tokens), layers, capture)
+            return dict(appended=draft_pb2.ContextAppended(length=length))
+        if op == "propose":
+            m = request.propose
+            if m.kind not in (draft_pb2.PROPOSAL_KIND_UNSPECIFIED, draft_pb2.PROPOSAL_KIND_CHAIN,
+                              draft_pb2.PROPOSAL_KIND_TREE):
+                raise InvalidArgument(f"unknown proposal kind {m.kind}")
+            if m.proposer not in (draft_pb2.PROPOSER_UNSPECIFIED, draft_pb2.PROPOSER_DSPARK):
+                raise InvalidArgument(f"proposer {draft_pb2.Proposer.Name(m.proposer)} is not available here; "
+                                      "this drafter offers PROPOSER_DSPARK")
+            if m.budget < 0:
+                raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {m.budget}")
+            if m.sampling.temperature < 0:
+                raise InvalidArgument(f"sampling.temperature must be >= 0, got {m.sampling.temperature}")
+            tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
+            generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
+            out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
+                                 kernel=_KERNELS.get(m.kernel, "auto"), temperature=m.sampling.temperature,
+                                 generator=generator)
+            tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
+                                            node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
+            return dict(proposal=draft_pb2.Proposal(
+                tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
+                node_proposers=[draft_pb2.PROPOSER_UNSPECIFIED] + [draft_pb2.PROPOSER_DSPARK] * (len(out.tokens) - 1)))
+        if op == "truncate":
+            length = engine.truncate(request.truncate.session_id, request.truncate.length)
+            return dict(truncated=draft_pb2.ContextTruncated(length=length))
+        if op == "release":
+            engine.release(request.release.session_id)
+            return dict(released=draft_pb2.DraftReleased())
+        raise InvalidArgument("empty request: set one of open, append, propose, truncate, release")

@@ -1,0 +1,200 @@
+"""The draft service over gRPC: same drafts as in-process, clear statuses for bad input, lossless speculation."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from dspark_grpc.client import TargetClient
+from dspark_grpc.client.sdk import SessionStream
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
+from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+
+from tests.service.conftest import MAX_SESSIONS, RawSession, health_status
+
+INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 3, 5, 8, 9
+PROMPT = [1, 9690, 198, 23409, 253, 2143, 1202, 338, 14855, 2, 198, 1, 520, 9531, 198]
+
+
+class DraftSession:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.stream = SessionStream(self.stub.DraftSession, timeout=300)
+        self.next_id = 0
+
+    def call(self, **op) -> draft_pb2.DraftSessionResponse:
+        self.next_id += 1
+        return self.stream.call(draft_pb2.DraftSessionRequest(request_id=self.next_id, **op))
+
+    def ok(self, **op):
+        r = self.call(**op)
+        assert r.status.code == 0, r.status.message
+        return getattr(r, r.WhichOneof("result"))
+
+    def expect(self, code: int, words: str, **op) -> None:
+        r = self.call(**op)
+        assert (r.status.code, r.WhichOneof("result")) == (code, None), r.status
+        assert words in r.status.message, r.status.message
+
+    def close(self) -> None:
+        self.stream.close()
+        self.channel.close()
+
+
+@pytest.fixture()
+def draft(draft_address):
+    s = DraftSession(draft_address)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def target_rows(target_address, draft_address):
+    """The real target's prefill of PROMPT: its pending token and the capture at the drafter's layers."""
+    info = DraftSession(draft_address).stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest())
+    raw = RawSession(target_address)
+    sid = raw.ok(open=target_pb2.OpenSession(capture_layer_ids=info.target_layer_ids,
+                                             drafter_target=info.target)).session_id
+    pre = raw.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=common_pb2.Prompt(
+        tokens=common_pb2.TokenIds(ids=PROMPT))))
+    fingerprint = raw.ok(open=target_pb2.OpenSession()).fingerprint
+    raw.close()
+    return info, pre, fingerprint
+
+
+def opened(draft: DraftSession, fingerprint) -> str:
+    return draft.ok(open=draft_pb2.OpenDraft(target=fingerprint)).session_id
+
+
+def append_prompt(draft: DraftSession, sid: str, pre) -> None:
+    assert draft.ok(append=draft_pb2.AppendContext(session_id=sid, start_position=0, tokens=PROMPT,
+                                                   capture=pre.capture)).length == len(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def in_process_engine():
+    from dspark_grpc.draft_service.engine import DraftEngine
+
+    return DraftEngine.load("random", seed=0, progress=False)
+
+
+@pytest.mark.parametrize("kind,kernel", [
+    (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.KERNEL_CHOICE_TORCH),
+    (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.KERNEL_CHOICE_FUSED),
+    (draft_pb2.PROPOSAL_KIND_TREE, draft_pb2.KERNEL_CHOICE_TORCH),
+])
+def test_drafting_over_grpc_equals_in_process(draft, target_rows, in_process_engine, kind, kernel):
+    info, pre, fingerprint = target_rows
+    sid = opened(draft, fingerprint)
+    append_prompt(draft, sid, pre)
+    tree = kind == draft_pb2.PROPOSAL_KIND_TREE
+    budget = 6 if tree else 0  # a chain: the drafter's whole block
+    proposal = draft.ok(propose=draft_pb2.Propose(session_id=sid, anchor_token=pre.next_token,
+                                                  anchor_position=len(PROMPT), kind=kind, kernel=kernel, budget=budget))
+    engine = in_process_engine
+    local = engine.open_session(engine.target_fingerprint)
+    engine.append(local, 0, PROMPT, list(pre.capture.layer_ids), from_proto(pre.capture.rows))
+    expected = engine.propose(local, pre.next_token, len(PROMPT), tree=tree, budget=budget, kernel="torch")
+    assert list(proposal.tree.tokens) == expected.tokens and list(proposal.tree.parents) == expected.parents
+    assert proposal.tree.tokens[0] == pre.next_token
+    torch.testing.assert_close(from_proto(proposal.tree.node_logprobs), torch.tensor(expected.logprobs),
+                               rtol=1e-4, atol=1e-4)
+    assert from_proto(proposal.confidences).shape == (info.block_size,)
+    if tree:
+        assert len(proposal.tree.tokens) == 7  # budget 6 + the root
+    else:
+        assert proposal.tree.parents == list(range(-1, info.block_size))
+
+
+def test_duplicate_rows_are_idempotent_and_gaps_refused(draft, target_rows):
+    info, pre, fingerprint = target_rows
+    sid = opened(draft, fingerprint)
+    append_prompt(draft, sid, pre)
+    append_prompt(draft, sid, pre)  # the same rows again: accepted, nothing added
+    rows = from_proto(pre.capture.rows)
+    partial = common_pb2.HiddenCapture(layer_ids=pre.capture.layer_ids, start_position=5, rows=to_proto(rows[5:9]))
+    assert draft.ok(append=draft_pb2.AppendContext(session_id=sid, start_position=5, tokens=PROMPT[5:9],
+                                                   capture=partial)).length == len(PROMPT)
+    gap = common_pb2.HiddenCapture(layer_ids=pre.capture.layer_ids, start_position=len(PROMPT) + 2,
+                                   rows=to_proto(rows[:1]))
+    draft.expect(FAILED_PRECONDITION, "gap", append=draft_pb2.AppendContext(
+        session_id=sid, start_position=len(PROMPT) + 2, tokens=[5], capture=gap))
+    conflict = list(PROMPT[5:9])
+    conflict[1] += 1
+    draft.expect(FAILED_PRECONDITION, "differ", append=draft_pb2.AppendContext(
+        session_id=sid, start_position=5, tokens=conflict, capture=partial))
+    assert draft.ok(truncate=draft_pb2.TruncateContext(session_id=sid, length=5)).length == 5
+    assert draft.ok(append=draft_pb2.AppendContext(session_id=sid, start_position=5, tokens=conflict,
+                                                   capture=partial)).length == 9
+
+
+def test_bad_feature_rows(draft, target_rows):
+    info, pre, fingerprint = target_rows
+    sid = opened(draft, fingerprint)
+    rows = from_proto(pre.capture.rows)
+    layers = pre.capture.layer_ids
+
+    def append(capture, tokens=PROMPT):
+        return dict(append=draft_pb2.AppendContext(session_id=sid, start_position=0, tokens=tokens, capture=capture))
+
+    narrow = common_pb2.HiddenCapture(layer_ids=layers, start_position=0, rows=to_proto(rows[:, :, :100]))
+    draft.expect(INVALID_ARGUMENT, "expected", **append(narrow))
+    as_int = common_pb2.HiddenCapture(layer_ids=layers, start_position=0, rows=to_proto(rows.to(torch.int32)))
+    draft.expect(INVALID_ARGUMENT, "bfloat16", **append(as_int))
+    short = to_proto(rows)
+    short.data = short.data[:-2]
+    draft.expect(INVALID_ARGUMENT, "bytes but shape", **append(
+        common_pb2.HiddenCapture(layer_ids=layers, start_position=0, rows=short)))
+    draft.expect(INVALID_ARGUMENT, "target_layer_ids", **append(
+        common_pb2.HiddenCapture(layer_ids=[i + 1 for i in layers], start_position=0, rows=to_proto(rows))))
+    draft.expect(INVALID_ARGUMENT, "expected", **append(
+        common_pb2.HiddenCapture(layer_ids=layers, start_position=0, rows=to_proto(rows)), tokens=PROMPT[:-1]))
+    draft.expect(INVALID_ARGUMENT, "capture is missing", append=draft_pb2.AppendContext(
+        session_id=sid, start_position=0, tokens=PROMPT))
+
+
+def test_bad_sessions_budgets_and_handshakes(draft, target_rows, draft_address):
+    info, pre, fingerprint = target_rows
+    draft.expect(NOT_FOUND, "unknown session", propose=draft_pb2.Propose(session_id="nope", anchor_token=1))
+    draft.expect(FAILED_PRECONDITION, "another target", open=draft_pb2.OpenDraft(
+        target=common_pb2.Fingerprint(model="a" * 64, tokenizer=fingerprint.tokenizer)))
+    draft.expect(INVALID_ARGUMENT, "fingerprints", open=draft_pb2.OpenDraft())
+    draft.expect(FAILED_PRECONDITION, "protocol version", open=draft_pb2.OpenDraft(protocol_version=9,
+                                                                                   target=fingerprint))
+    sid = opened(draft, fingerprint)
+    draft.expect(FAILED_PRECONDITION, "empty", propose=draft_pb2.Propose(session_id=sid, anchor_token=5))
+    append_prompt(draft, sid, pre)
+    position = len(PROMPT)
+    for kind, budget in [(draft_pb2.PROPOSAL_KIND_CHAIN, info.block_size + 1),
+                         (draft_pb2.PROPOSAL_KIND_TREE, info.max_tree_budget + 1),
+                         (draft_pb2.PROPOSAL_KIND_CHAIN, -1)]:
+        draft.expect(INVALID_ARGUMENT, "budget", propose=draft_pb2.Propose(
+            session_id=sid, anchor_token=pre.next_token, anchor_position=position, kind=kind, budget=budget))
+    draft.expect(FAILED_PRECONDITION, "anchor", propose=draft_pb2.Propose(
+        session_id=sid, anchor_token=pre.next_token, anchor_position=position + 3))
+    draft.expect(INVALID_ARGUMENT, "out of range", propose=draft_pb2.Propose(
+        session_id=sid, anchor_token=10**6, anchor_position=position))
+    opened_ids = [sid]
+    for _ in range(MAX_SESSIONS + 1):
+        r = draft.call(open=draft_pb2.OpenDraft(target=fingerprint))
+        if r.status.code:
+            assert r.status.code == RESOURCE_EXHAUSTED and "too many live sessions" in r.status.message
+            break
+        opened_ids.append(r.opened.session_id)
+    else:
+        pytest.fail("the session limit was not enforced")
+    assert health_status(draft_address, "dspark.v1.DraftService") == 1  # SERVING
+
+
+@pytest.mark.parametrize("proposal", ["chain", "tree"])
+def test_speculation_with_a_random_drafter_is_lossless(target_address, draft_address, proposal):
+    prompts = [[{"role": "user", "content": q}] for q in
+               ("What is the capital of France?", "List three prime numbers.", "Say hello in French.")]
+    with TargetClient(target_address, drafter=draft_address) as client:
+        for messages in prompts:
+            ar = client.generate(messages=messages, max_new_tokens=32, mode="ar")
+            spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal)
+            assert spec.token_ids == ar.token_ids and spec.text == ar.text
+            assert spec.stats.speculative_steps > 0 and spec.stats.fallback_reason == ""
+            assert spec.stats.mode_run == common_pb2.DECODE_MODE_SPECULATION
