@@ -71,6 +71,11 @@ class DrafterConfig:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         if self.confidence_temperatures is not None:
             object.__setattr__(self, "confidence_temperatures", tuple(float(t) for t in self.confidence_temperatures))
+        if not self.markov_rank:  # canonical values for absent heads, so that equal drafters compare equal
+            object.__setattr__(self, "markov_head_type", "vanilla")
+        if not self.confidence_enabled:
+            object.__setattr__(self, "confidence_pre_norm", True)
+            object.__setattr__(self, "confidence_temperatures", None)
         problems = []
         if self.slot_convention not in SLOT_CONVENTIONS:
             problems.append(f"slot_convention must be one of {SLOT_CONVENTIONS}, got {self.slot_convention!r}")
@@ -355,7 +360,9 @@ def rope_to_hf(config: DrafterConfig) -> dict[str, Any]:
     params.update(rope_type=s.kind, factor=s.factor)
     if s.kind == "yarn":
         params.update(original_max_position_embeddings=s.original_max_position_embeddings, beta_fast=s.beta_fast,
-                      beta_slow=s.beta_slow, attention_factor=s.attention_factor, truncate=s.truncate)
+                      beta_slow=s.beta_slow, truncate=s.truncate)
+        if s.attention_factor is not None:
+            params["attention_factor"] = s.attention_factor
     elif s.kind == "llama3":
         params.update(original_max_position_embeddings=s.original_max_position_embeddings,
                       low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
