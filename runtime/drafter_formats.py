@@ -365,6 +365,10 @@ def convert_to_gguf(hf_dir: PathLike, out_path: PathLike, target_path: PathLike 
     config, weights = _read_hf(src, target_path)
     with torch.device("meta"):
         _check_weights(Drafter(config), weights)
+    stored = weights["fc.weight"].dtype
+    for name in ("embed.weight", "lm_head.weight"):  # tables lent by a float32 target: store them like the rest
+        if weights[name].dtype == torch.float32 and stored in (torch.float16, torch.bfloat16):
+            weights[name] = weights[name].to(stored)
     return write_gguf(config, weights, out_path)
 
 
