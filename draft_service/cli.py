@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=16)
     s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     s.add_argument("--max-tree-budget", type=int, default=64)
+    s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
+                   help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
+                        "the torch path elsewhere")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
     s.add_argument("--quiet", action="store_true", help="no load progress")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
-                         max_tree_budget=args.max_tree_budget)
+                         max_tree_budget=args.max_tree_budget, default_kernel=args.kernel)
 
     def load() -> None:
         servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=DTYPES[args.dtype], limits=limits,

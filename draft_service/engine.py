@@ -33,6 +33,7 @@ class DraftLimits:
     max_tree_budget: int = 64
     default_tree_budget: int = 16
     tree_top_k: int = 8
+    default_kernel: str = "auto"  # for requests that do not choose
 
 
 @dataclass
@@ -156,7 +157,7 @@ class DraftEngine:
     # -- proposals ----------------------------------------------------------------------------------
 
     def propose(self, session_id: str, anchor_token: int, anchor_position: int, tree: bool = False,
-                budget: int = 0, kernel: str = "auto", temperature: float = 0.0,
+                budget: int = 0, kernel: str = "", temperature: float = 0.0,
                 generator: torch.Generator | None = None) -> ProposalResult:
         s = self.sessions.get(session_id)
         if not 0 <= anchor_token < self.config.vocab_size:
@@ -166,6 +167,7 @@ class DraftEngine:
                                      f"the anchor is at {anchor_position}")
         if s.length == 0:
             raise FailedPrecondition("the context is empty: append the prompt's rows first")
+        kernel = kernel or self.limits.default_kernel
         if kernel not in KERNELS:
             raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
         depth = self.config.num_drafts

@@ -13,7 +13,7 @@ from dspark_grpc.runtime.sampling import make_generator
 from dspark_grpc.runtime.serving import run_session_op, session_stream
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 
-_KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "auto", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
+_KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
             draft_pb2.KERNEL_CHOICE_TORCH: "torch"}
 _SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}
 
@@ -89,7 +89,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
-                                 kernel=_KERNELS.get(m.kernel, "auto"), temperature=m.sampling.temperature,
+                                 kernel=_KERNELS.get(m.kernel, ""), temperature=m.sampling.temperature,
                                  generator=generator)
             tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
                                             node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
