@@ -139,7 +139,7 @@ class Speculator:
         self._guard("append", append=draft_pb2.AppendContext(session_id=self.session_id, start_position=start,
                                                               tokens=tokens, capture=capture))
 
-    def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> common_pb2.TokenTree | None:
+    def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> draft_pb2.Proposal | None:
         proposal = self._guard("propose", propose=draft_pb2.Propose(
             session_id=self.session_id, anchor_token=anchor, anchor_position=position, kind=self.spec.kind,
             budget=self.spec.budget, kernel=self.spec.kernel, sampling=sampling))
@@ -148,7 +148,7 @@ class Speculator:
         if not proposal.tree.tokens or proposal.tree.tokens[0] != anchor:
             self.failure = "drafter returned a tree whose root is not the anchor; continued target-only"
             return None
-        return proposal.tree
+        return proposal
 
     def release(self) -> None:
         if self.session_id and self.active:
@@ -219,24 +219,33 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             yield delta
 
             pending = emitted[-1]
-            tree = None
+            tree, proposers = None, []
             if drafter is not None and drafter.active:
                 t_draft = time.perf_counter()
-                tree = drafter.propose(pending, length, config.sampling)
-                stats.draft_seconds += time.perf_counter() - t_draft
-                if tree is not None:
-                    tree = _fit_tree(tree, opened.max_length - length)
+                proposal = drafter.propose(pending, length, config.sampling)
+                wall = time.perf_counter() - t_draft
+                stats.draft_seconds += wall
+                if proposal is not None:
+                    stats.transport_seconds += max(wall - proposal.compute_seconds, 0.0)
+                    tree, kept = _fit_tree(proposal.tree, opened.max_length - length)
+                    proposers = [proposal.node_proposers[i] for i in kept if i < len(proposal.node_proposers)]
             if tree is None:
                 tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
             t_step = time.perf_counter()
             verified = call(verify=target_pb2.Verify(session_id=sid, tree=tree, commit=True)).verified
-            stats.verify_seconds += time.perf_counter() - t_step
+            wall = time.perf_counter() - t_step
+            stats.verify_seconds += wall
+            stats.transport_seconds += max(wall - verified.compute_seconds, 0.0)
             stats.steps += 1
+            stats.committed_per_step.append(len(verified.accepted_path))
             depth = _depth(tree.parents)
             if depth:
                 stats.speculative_steps += 1
                 _count(drafted, depth)
                 _count(accepted, len(verified.accepted_path) - 1)
+                for node in verified.accepted_path[1:]:
+                    name = _PROPOSER_NAMES.get(proposers[node] if node < len(proposers) else 0, "unknown")
+                    stats.accepted_by_proposer[name] += 1
             else:
                 stats.ar_steps += 1
             committed = [tree.tokens[n] for n in verified.accepted_path]
@@ -254,6 +263,9 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             pass
 
 
+_PROPOSER_NAMES = {v: k.removeprefix("PROPOSER_").lower() for k, v in draft_pb2.Proposer.items()}
+
+
 def _depth(parents) -> int:
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
@@ -261,18 +273,19 @@ def _depth(parents) -> int:
     return max(depth)
 
 
-def _fit_tree(tree: common_pb2.TokenTree, room: int) -> common_pb2.TokenTree | None:
-    """Drop nodes deeper than the context has room for (the root needs one row, each depth one more)."""
+def _fit_tree(tree: common_pb2.TokenTree, room: int) -> tuple[common_pb2.TokenTree, list[int]]:
+    """Drop nodes deeper than the context has room for (the root needs one row, each depth one more).
+    Returns the tree and the original indices of the nodes kept."""
     keep, depth = [], {}
     for i, p in enumerate(tree.parents):
         depth[i] = 0 if p < 0 else depth[p] + 1
         if depth[i] < room:
             keep.append(i)
     if len(keep) == len(tree.tokens):
-        return tree
+        return tree, keep
     index = {old: new for new, old in enumerate(keep)}
     return common_pb2.TokenTree(tokens=[tree.tokens[i] for i in keep],
-                                parents=[-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep])
+                                parents=[-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]), keep
 
 
 def _count(counts: list[int], depth: int) -> None:

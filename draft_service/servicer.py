@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -88,6 +89,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise InvalidArgument(f"sampling.temperature must be >= 0, got {m.sampling.temperature}")
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
+            t0 = time.perf_counter()
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
                                  kernel=_KERNELS.get(m.kernel, ""), temperature=m.sampling.temperature,
                                  generator=generator)
@@ -95,7 +97,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                             node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
             return dict(proposal=draft_pb2.Proposal(
                 tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
-                node_proposers=[draft_pb2.PROPOSER_UNSPECIFIED] + [draft_pb2.PROPOSER_DSPARK] * (len(out.tokens) - 1)))
+                node_proposers=[draft_pb2.PROPOSER_UNSPECIFIED] + [draft_pb2.PROPOSER_DSPARK] * (len(out.tokens) - 1),
+                compute_seconds=time.perf_counter() - t0))
         if op == "truncate":
             length = engine.truncate(request.truncate.session_id, request.truncate.length)
             return dict(truncated=draft_pb2.ContextTruncated(length=length))

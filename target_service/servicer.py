@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -116,8 +117,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise InvalidArgument("verify.tree is missing")
             _check_tree_tensors(m.tree)
             want_logits = m.return_logits == target_pb2.LOGITS_RETURN_ALL
+            t0 = time.perf_counter()
             out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits)
             fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
+                          compute_seconds=time.perf_counter() - t0,
                           logits=to_proto(out.logits) if out.logits is not None else None)
             if out.committed is not None:
                 fields.update(committed_fields(engine.sessions.get(m.session_id).capture_layers, out.committed))

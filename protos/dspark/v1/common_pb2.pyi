@@ -150,7 +150,14 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer")
+    class AcceptedByProposerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +173,8 @@ class GenerationStats(_message.Message):
     AR_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -181,4 +190,6 @@ class GenerationStats(_message.Message):
     ar_steps: int
     speculative_steps: int
     fallback_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    committed_per_step: _containers.RepeatedScalarFieldContainer[int]
+    accepted_by_proposer: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -173,14 +173,16 @@ class Propose(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., anchor_token: _Optional[int] = ..., anchor_position: _Optional[int] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., budget: _Optional[int] = ..., kernel: _Optional[_Union[KernelChoice, str]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("tree", "confidences", "node_proposers")
+    __slots__ = ("tree", "confidences", "node_proposers", "compute_seconds")
     TREE_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     NODE_PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.TokenTree
     confidences: _common_pb2.Tensor
     node_proposers: _containers.RepeatedScalarFieldContainer[Proposer]
-    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., confidences: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., confidences: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., node_proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class TruncateContext(_message.Message):
     __slots__ = ("session_id", "length")

@@ -152,7 +152,7 @@ class Verify(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., commit: _Optional[bool] = ..., return_logits: _Optional[_Union[LogitsReturn, str]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "token_texts", "length")
+    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "token_texts", "length", "compute_seconds")
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class Verified(_message.Message):
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
     committed: bool
@@ -167,7 +168,8 @@ class Verified(_message.Message):
     logits: _common_pb2.Tensor
     token_texts: _containers.RepeatedScalarFieldContainer[str]
     length: int
-    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("session_id", "path", "next_token")
