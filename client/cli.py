@@ -1,4 +1,4 @@
-"""`dspark`: generate against a running target, or run the whole local demo."""
+"""`dspark`: generate against a running target, benchmark AR vs speculation, or run the whole local demo."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from dspark_grpc.client.local_stack import local_target
-from dspark_grpc.client.sdk import DEFAULT_TARGET, TargetClient
+from dspark_grpc.client.sdk import DEFAULT_TARGET, KERNELS, MODES, PROPOSALS, TargetClient
 from google.protobuf.json_format import MessageToDict
 
 DEMO_MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
@@ -21,6 +22,29 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _speculation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proposal", choices=tuple(PROPOSALS), default="chain", help="the drafter's proposal shape")
+    p.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the drafter's default")
+    p.add_argument("--kernel", choices=tuple(KERNELS), default="auto", help="the drafter's Markov chain path")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _mode_list(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"expected distinct modes from {','.join(MODES)}, got {text!r}")
+    return modes
 
 
 def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> None:
@@ -46,6 +70,11 @@ def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> N
     print(f"\n\n--- {stats.generated_tokens} tokens in {wall:.2f} s ({stats.generated_tokens / wall:.1f} tok/s "
           f"end to end, prefill {stats.prefill_seconds * 1000:.0f} ms for {stats.prompt_tokens} prompt tokens); "
           f"mode {mode}; {stats.steps} target steps; finish: {finish}")
+    if stats.speculative_steps:
+        print(f"--- acceptance length {stats.acceptance_length:.2f} tokens per target step, draft "
+              f"{stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s")
+    if stats.fallback_reason:
+        print(f"--- fallback: {stats.fallback_reason}")
 
 
 def health_check(address: str, service: str = "", timeout: float = 5.0) -> bool:
@@ -70,8 +99,32 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("prompt", nargs="?", help="plain-text prompt (used verbatim)")
     g.add_argument("--messages", help="chat messages as JSON: [{\"role\": \"user\", \"content\": \"...\"}]")
     g.add_argument("--target", default=DEFAULT_TARGET)
+    g.add_argument("--drafter", default=None, help="draft service address (host:port) to speculate with")
+    g.add_argument("--mode", choices=MODES, default=None,
+                   help="ar = target only; speculation = draft every step (needs --drafter); adaptive = speculate "
+                        "when a drafter is given. Default: adaptive with --drafter, ar without")
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     _generation_args(g)
+    _speculation_args(g)
+    b = sub.add_parser("bench", help="AR vs speculative decoding side by side on a prompt file; JSON + table",
+                       description="Runs every prompt in every mode at every concurrency (greedy, EOS honoured) "
+                                   "after one untimed warm-up request per mode. Without --target/--drafter the "
+                                   "services are started on free loopback ports and stopped at the end.")
+    b.add_argument("--prompts", required=True, help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line')
+    b.add_argument("--max-new-tokens", type=int, required=True)
+    b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"], help="comma-separated")
+    b.add_argument("--concurrency", type=_int_list, default=[1], help="comma-separated requests in flight")
+    b.add_argument("--json", dest="json_out", required=True, help="write the result JSON here")
+    b.add_argument("--plot", default=None, help="write a PNG (tok/s vs concurrency, per-position acceptance)")
+    b.add_argument("--target", default=None, help="a running target service; default: start one")
+    b.add_argument("--drafter", default=None, help="a running draft service; default: start one")
+    b.add_argument("--drafter-checkpoint", default=None,
+                   help="checkpoint for the started draft service; default: a seeded random drafter")
+    b.add_argument("--target-model", default=None,
+                   help="model for the started target service (and the started drafter's target)")
+    b.add_argument("--draft-timeout", type=float, default=10.0,
+                   help="seconds per drafter call before a request falls back to target-only")
+    _speculation_args(b)
     d = sub.add_parser("demo", help="start the target service on the embedded default model and chat with it")
     d.add_argument("--message", default=DEMO_MESSAGES[0]["content"])
     d.add_argument("--json", action="store_true")
@@ -88,8 +141,20 @@ def main(argv: list[str] | None = None) -> None:
         if (args.prompt is None) == (args.messages is None):
             p.error("give a prompt or --messages")
         prompt = {"prompt": args.prompt} if args.prompt is not None else {"messages": json.loads(args.messages)}
-        with TargetClient(args.target) as client:
+        mode = args.mode or ("adaptive" if args.drafter else "ar")
+        if mode == "speculation" and not args.drafter:
+            p.error("--mode speculation needs --drafter ADDRESS")
+        try:
+            client = TargetClient(args.target, drafter=args.drafter, mode=mode, proposal=args.proposal,
+                                  budget=args.budget, kernel=args.kernel)
+        except ValueError as e:
+            p.error(str(e))
+        with client:
             _print_result(client, args, **prompt)
+        return
+
+    if args.command == "bench":
+        _bench(p, args, sys.argv if argv is None else ["dspark", *argv])
         return
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) on a free loopback port...",
@@ -100,6 +165,42 @@ def main(argv: list[str] | None = None) -> None:
         print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) SERVING at {address}\n"
               f"user: {args.message}\nassistant: ", file=sys.stderr, flush=True)
         _print_result(client, args, messages=[{"role": "user", "content": args.message}])
+
+
+def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> None:
+    from dspark_grpc.client.bench import format_table, load_prompts, plot_bench, run_bench
+
+    if args.max_new_tokens <= 0:
+        p.error("--max-new-tokens must be positive")
+    if args.budget < 0:
+        p.error("--budget must be >= 0")
+    if args.drafter and args.drafter_checkpoint:
+        p.error("give --drafter (a running service) or --drafter-checkpoint (start one), not both")
+    if not Path(args.json_out).resolve().parent.is_dir():
+        p.error(f"--json {args.json_out}: no such directory")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib (pip install matplotlib; it comes with the dev extra)")
+    try:
+        prompts = load_prompts(args.prompts)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    result = run_bench(prompts, args.modes, args.max_new_tokens, args.concurrency, args.target, args.drafter,
+                       args.proposal, args.budget, args.kernel, drafter_checkpoint=args.drafter_checkpoint,
+                       target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
+                       command=command)
+    Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result))
+    print(f"wrote {args.json_out}")
+    if args.plot:
+        plot_bench(result, args.plot)
+        print(f"wrote {args.plot}")
+    if result["lossless"] and not all(result["lossless"].values()):
+        print("outputs differ from AR: " + ", ".join(m for m, ok in result["lossless"].items() if not ok),
+              file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

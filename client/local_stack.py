@@ -15,11 +15,15 @@ _LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 @contextlib.contextmanager
 def local_service(module: str, args: list[str], *, name: str, echo: bool = True, start_timeout: float = 120.0,
-                  env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run `python -m module serve --port 0 ARGS`; yield its address once it listens; stop it on exit."""
-    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", "0", *args]
+                  env: dict[str, str] | None = None, port: int = 0,
+                  process: list[subprocess.Popen] | None = None) -> Iterator[str]:
+    """Run `python -m module serve --port PORT ARGS` (0 = a free port); yield its address once it listens; stop it
+    on exit. `process`, if given, receives the child process (tests kill it)."""
+    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if process is not None:
+        process.append(proc)
     found = threading.Event()
     address: list[str] = []
 

@@ -80,7 +80,7 @@ KERNELS = {"auto": draft_pb2.KERNEL_CHOICE_UNSPECIFIED, "fused": draft_pb2.KERNE
            "torch": draft_pb2.KERNEL_CHOICE_TORCH}
 
 
-def _channel(address: str) -> grpc.Channel:
+def make_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
 
@@ -102,9 +102,9 @@ class TargetClient:
         _check_options(**self.defaults)
         self.timeout = timeout
         self.draft_timeout = draft_timeout
-        self._channel = _channel(address)
+        self._channel = make_channel(address)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
-        self._draft_channel = _channel(drafter) if drafter else None
+        self._draft_channel = make_channel(drafter) if drafter else None
         self._draft_stub = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if drafter else None
         self._info: target_pb2.GetModelInfoResponse | None = None
 
@@ -162,14 +162,10 @@ class TargetClient:
                     raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
                 stats.fallback_reason = "no drafter configured"
             else:
-                try:
-                    info = self.drafter_info()
-                    streams.append(SessionStream(self._draft_stub.DraftSession, self.timeout))
-                    speculation = SpeculationConfig(
-                        drafter=streams[1], info=info, kind=PROPOSALS[options["proposal"]], budget=options["budget"],
-                        kernel=KERNELS[options["kernel"]], timeout_s=self.draft_timeout)
-                except grpc.RpcError as e:
-                    stats.fallback_reason = f"drafter unavailable ({e.code().name}: {e.details()}); target-only"
+                speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
+                                               KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats)
+                if speculation is not None:
+                    streams.append(speculation.drafter)
         try:
             for d in generate_deltas(streams[0], make_prompt(prompt, messages, tokens), config, eos, stats,
                                      speculation):
@@ -187,6 +183,19 @@ class TargetClient:
             text.append(t)
             ids.extend(toks)
         return GenerationResult("".join(text), ids, finish or "", stats)
+
+
+def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, budget: int, kernel: int,
+                     stream_timeout: float | None, draft_timeout: float,
+                     stats: common_pb2.GenerationStats) -> SpeculationConfig | None:
+    """Ask the drafter who it is and open a draft stream; None (and the reason in stats) if it is unavailable."""
+    try:
+        info = draft_stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=draft_timeout)
+    except grpc.RpcError as e:
+        stats.fallback_reason = f"drafter unavailable ({e.code().name}: {e.details()}); target-only"
+        return None
+    return SpeculationConfig(drafter=SessionStream(draft_stub.DraftSession, stream_timeout), info=info, kind=kind,
+                             budget=budget, kernel=kernel, timeout_s=draft_timeout)
 
 
 def _check_options(mode: str, proposal: str, budget: int, kernel: str) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 import torch
-from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -34,6 +34,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
+    s.add_argument("--drafter", default=None, metavar="ADDRESS",
+                   help="a dspark-draft service (host:port) that Generate speculates with")
+    s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
+                   help="Generate's decode mode when a request does not choose (adaptive = speculate when a drafter "
+                        "is configured)")
+    s.add_argument("--draft-timeout", type=float, default=10.0,
+                   help="seconds a drafter call may take before the request finishes target-only")
     s.add_argument("--quiet", action="store_true", help="no load progress")
     return p
 
@@ -43,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    servicer = TargetServicer(max_message_bytes=args.max_message_bytes)
+    mode = common_pb2.DecodeMode.Value(f"DECODE_MODE_{args.default_mode.upper()}")
+    servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
+                              default_mode=mode, draft_timeout=args.draft_timeout)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None)
 

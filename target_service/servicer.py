@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.client.sdk import make_channel, open_speculation
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.runtime.sampling import SamplingParams
 from dspark_grpc.runtime.serving import run_session_op, session_stream, status_code
@@ -52,11 +53,16 @@ def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, max_message_bytes: int, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
+                 default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.engine: TargetEngine | None = None  # set once the model is loaded
         self.max_message_bytes = max_message_bytes
         self.executor = executor or ThreadPoolExecutor(max_workers=8, thread_name_prefix="target")
-        self.drafter_address: str | None = None
+        self.drafter_address = drafter_address
+        self.draft_stub = draft_pb2_grpc.DraftServiceStub(make_channel(drafter_address)) if drafter_address else None
+        self.default_mode = default_mode
+        self.draft_timeout = draft_timeout
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -79,7 +85,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             protocol_version=PROTOCOL_VERSION, eos_token_ids=sorted(engine.tokenizer.eos_token_ids),
             max_sessions=engine.limits.max_sessions, max_tree_nodes=engine.limits.max_tree_nodes,
             max_message_bytes=self.max_message_bytes, speculation_available=self.drafter_address is not None,
-            default_mode=common_pb2.DECODE_MODE_AR)
+            default_mode=self.default_mode)
 
     # -- session stream -----------------------------------------------------------------------------
 
@@ -157,9 +163,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                   sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
         stats = common_pb2.GenerationStats()
         owner = object()
-        deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
-                                 frozenset(engine.tokenizer.eos_token_ids), stats)
         loop = asyncio.get_running_loop()
+        speculation = None
+        mode = request.mode or self.default_mode
+        if mode != common_pb2.DECODE_MODE_AR:
+            if self.draft_stub is None:
+                stats.fallback_reason = "no drafter configured (start the target with --drafter ADDRESS)"
+            else:
+                kind = request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
+                speculation = await loop.run_in_executor(
+                    self.executor, open_speculation, self.draft_stub, kind, request.budget, request.kernel,
+                    context.time_remaining(), self.draft_timeout, stats)
+        deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
+                                 frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
         step = None
         try:
             while True:
@@ -183,6 +199,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 except BaseException:  # noqa: BLE001
                     pass
             await loop.run_in_executor(self.executor, deltas.close)
+            if speculation is not None:
+                speculation.drafter.close()
             engine.release_owner(owner)
 
 

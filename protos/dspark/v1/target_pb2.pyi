@@ -1,4 +1,5 @@
 from dspark_grpc.protos.dspark.v1 import common_pb2 as _common_pb2
+from dspark_grpc.protos.dspark.v1 import draft_pb2 as _draft_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -218,20 +219,26 @@ class SessionReleased(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "sampling", "stop", "mode", "ignore_eos")
+    __slots__ = ("prompt", "max_new_tokens", "sampling", "stop", "mode", "ignore_eos", "proposal", "budget", "kernel")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
     prompt: _common_pb2.Prompt
     max_new_tokens: int
     sampling: _common_pb2.SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     mode: _common_pb2.DecodeMode
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    proposal: _draft_pb2.ProposalKind
+    budget: int
+    kernel: _draft_pb2.KernelChoice
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., ignore_eos: _Optional[bool] = ..., proposal: _Optional[_Union[_draft_pb2.ProposalKind, str]] = ..., budget: _Optional[int] = ..., kernel: _Optional[_Union[_draft_pb2.KernelChoice, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,256 @@
+"""`dspark bench`: AR vs speculative decoding side by side, over gRPC, at several concurrencies.
+
+One process tree: the bench (threads, one TargetClient call per request) and the two services, started here
+on free loopback ports unless addresses are given. Greedy, EOS honoured. Torch-free; matplotlib is imported
+only by `plot_bench`.
+
+Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode and concurrency):
+- tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish).
+- acceptance_length: sum(generated - 1) / sum(target steps): tokens committed per target forward, bonus
+  included (the prefill's token is no decode step's).
+- per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1. Each request reports
+  accepted_d / drafted_d; drafted_d is its number of speculative steps whenever every proposal reaches depth
+  d+1 (chains of the drafter's block), so requests are weighted by `speculative_steps`. For trees or
+  budgets that vary the depth from step to step this is the speculative-step-weighted mean of the
+  per-request rates, an approximation of the pooled rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from dspark_grpc.client.local_stack import local_drafter, local_target
+from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
+
+DRAFTER_MODES = ("speculation", "adaptive")
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    """A JSONL file, one request a line: {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}.
+    Blank lines are skipped; a bad line raises ValueError naming the file and line number."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(_parse_prompt(json.loads(line)))
+            except (json.JSONDecodeError, ValueError) as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_prompt(item: object) -> dict:
+    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+        raise ValueError('expected an object with exactly one of "prompt" or "messages"')
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"]:
+            raise ValueError('"prompt" must be a non-empty string')
+        return {"prompt": item["prompt"]}
+    messages = item["messages"]
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str}')
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+
+
+def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
+              target: str | None = None, drafter: str | None = None, proposal: str = "chain", budget: int = 0,
+              kernel: str = "auto", *, drafter_checkpoint: str | None = None, target_model: str | None = None,
+              draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
+
+    Services whose address is not given are started here (target: the default model or `target_model`;
+    drafter: `drafter_checkpoint`, or a seeded random drafter) and stopped at the end.
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    _check_args(prompts, modes, max_new_tokens, concurrency)
+    needs_drafter = any(m in DRAFTER_MODES for m in modes)
+    sessions = str(max(16, 2 * max(concurrency)))
+    started = []
+    with ExitStack() as stack:
+        if target is None:
+            started.append("target")
+            log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
+            args = ["--max-sessions", sessions, "--quiet"] + (["--model", target_model] if target_model else [])
+            target = stack.enter_context(local_target(args))
+        if drafter is None and needs_drafter:
+            started.append("draft")
+            log(f"[bench] starting the draft service ({drafter_checkpoint or 'random drafter'})")
+            args = ["--drafter", drafter_checkpoint or "random", "--max-sessions", sessions, "--quiet"]
+            drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
+                                                                if target_model else [])))
+        client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
+                                                  proposal=proposal, budget=budget, kernel=kernel,
+                                                  draft_timeout=draft_timeout))
+        client.wait_ready(timeout=600)
+        info = client.model_info()
+        config = {
+            "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),
+            "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "proposal": proposal,
+            "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": False,
+            "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
+            "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
+            "target_info": {"model_name": info.model_name, "architecture": info.architecture,
+                            "num_layers": info.num_layers, "device": info.device},
+        }
+        if needs_drafter:
+            d = client.drafter_info()
+            config["drafter_info"] = {"name": d.name, "block_size": d.block_size,
+                                      "target_layer_ids": list(d.target_layer_ids), "markov_rank": d.markov_rank}
+
+        for mode in modes:  # warm-up (not timed): first calls, lazy compilation, allocator growth
+            t0 = time.perf_counter()
+            _request(client, prompts[0], mode, min(max_new_tokens, 16))
+            log(f"[bench] warm-up {mode}: {time.perf_counter() - t0:.2f} s")
+
+        results: dict[str, dict[str, dict]] = {m: {} for m in modes}
+        for c in concurrency:
+            for mode in modes:
+                log(f"[bench] {mode} c={c}: {len(prompts)} prompts")
+                entry = _run_batch(client, prompts, mode, max_new_tokens, c, log)
+                results[mode][str(c)] = entry
+                log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
+                    f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
+
+    return {"command": list(command if command is not None else sys.argv), "machine": machine_info(),
+            "config": config, "results": results, "lossless": _lossless(results, concurrency)}
+
+
+def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int]) -> None:
+    if not prompts:
+        raise ValueError("no prompts")
+    if not modes or len(set(modes)) != len(modes) or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be distinct names from {MODES}, got {modes}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if not concurrency or any(c <= 0 for c in concurrency):
+        raise ValueError(f"concurrency levels must be positive, got {concurrency}")
+
+
+def machine_info() -> dict:
+    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "processor": platform.processor()}
+
+
+def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int) -> GenerationResult:
+    return client.generate(**prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=False, mode=mode)
+
+
+def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tokens: int, c: int,
+               log: Callable[[str], None]) -> dict:
+    """All prompts with c requests in flight; aggregates their stats."""
+    done = [0]
+    lock = threading.Lock()
+
+    def one(prompt: dict) -> GenerationResult:
+        r = _request(client, prompt, mode, max_new_tokens)
+        with lock:
+            done[0] += 1
+            log(f"  [{mode} c={c}] {done[0]}/{len(prompts)}: {r.stats.generated_tokens} tokens, "
+                f"{r.stats.steps} steps, {r.finish_reason}")
+        return r
+
+    with ThreadPoolExecutor(max_workers=c) as pool:
+        t0 = time.perf_counter()
+        rs = list(pool.map(one, prompts))
+        wall = time.perf_counter() - t0
+    stats = [r.stats for r in rs]
+    generated = sum(s.generated_tokens for s in stats)
+    steps = sum(s.steps for s in stats)
+    return {
+        "tokens_per_s": generated / wall,
+        "acceptance_length": sum(max(s.generated_tokens - 1, 0) for s in stats) / steps if steps else 0.0,
+        "per_position_acceptance": per_position_acceptance(stats),
+        "outputs": [r.token_ids for r in rs],
+        "fallbacks": [s.fallback_reason for s in stats if s.fallback_reason],
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "steps": steps,
+        "speculative_steps": sum(s.speculative_steps for s in stats),
+        "finish_reasons": [r.finish_reason for r in rs],
+        "prefill_s": sum(s.prefill_seconds for s in stats),
+        "draft_s": sum(s.draft_seconds for s in stats),
+        "verify_s": sum(s.verify_seconds for s in stats),
+    }
+
+
+def per_position_acceptance(stats: list) -> list[float]:
+    """Pooled accepted/drafted per depth, each request's rates weighted by its speculative steps."""
+    depth = max((len(s.per_position_acceptance) for s in stats), default=0)
+    rates = []
+    for d in range(depth):
+        rows = [(s.per_position_acceptance[d], s.speculative_steps) for s in stats
+                if d < len(s.per_position_acceptance)]
+        weight = sum(w for _, w in rows)
+        rates.append(sum(r * w for r, w in rows) / weight if weight else 0.0)
+    return rates
+
+
+def _lossless(results: dict[str, dict[str, dict]], concurrency: list[int]) -> dict[str, bool]:
+    """Each mode's outputs == AR's at every concurrency; AR's own entry: the same at every concurrency."""
+    if "ar" not in results:
+        return {}
+    ar = results["ar"]
+    first = ar[str(concurrency[0])]["outputs"]
+    lossless = {"ar": all(ar[str(c)]["outputs"] == first for c in concurrency)}
+    for mode, by_c in results.items():
+        if mode != "ar":
+            lossless[mode] = all(by_c[str(c)]["outputs"] == ar[str(c)]["outputs"] for c in concurrency)
+    return lossless
+
+
+def format_table(result: dict) -> str:
+    """mode, concurrency, tok/s, ratio vs AR (same concurrency), acceptance length, lossless."""
+    rows = [f"{'mode':<12} {'conc':>4} {'tok/s':>8} {'vs AR':>6} {'acc.len':>7} {'wall s':>7}  lossless"]
+    results, lossless = result["results"], result["lossless"]
+    for c in result["config"]["concurrency"]:
+        ar = results.get("ar", {}).get(str(c))
+        for mode, by_c in results.items():
+            e = by_c[str(c)]
+            ratio = f"{e['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar and ar["tokens_per_s"] else "-"
+            same = {True: "yes", False: "NO"}.get(lossless.get(mode), "-")
+            rows.append(f"{mode:<12} {c:>4} {e['tokens_per_s']:>8.1f} {ratio:>6} {e['acceptance_length']:>7.2f} "
+                        f"{e['wall_s']:>7.2f}  {same}")
+    return "\n".join(rows)
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    """tok/s per mode against concurrency, and per-position acceptance of the speculative modes."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    results, conc = result["results"], result["config"]["concurrency"]
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    speed, accept = fig.subplots(1, 2)
+    for mode, by_c in results.items():
+        speed.plot(conc, [by_c[str(c)]["tokens_per_s"] for c in conc], marker="o", label=mode)
+        for c in conc:
+            ppa = by_c[str(c)]["per_position_acceptance"]
+            if ppa:
+                accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=f"{mode} c={c}")
+    speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
+              title=f"{result['config']['max_new_tokens']} new tokens, {result['config']['num_prompts']} prompts")
+    speed.set_ylim(bottom=0)
+    speed.legend()
+    accept.xaxis.set_major_locator(MaxNLocator(integer=True))
+    accept.set(xlabel="draft position", ylabel="accepted / drafted", ylim=(-0.03, 1.03),
+               title=f"per-position acceptance ({result['config']['proposal']})")
+    if accept.lines:
+        accept.legend(fontsize="small")
+    else:
+        accept.text(0.5, 0.5, "no speculative steps", ha="center", va="center", transform=accept.transAxes)
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,103 @@
+"""A drafter that dies mid-request never changes the output; cancelled requests free their sessions."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from dspark_grpc.client import TargetClient
+from dspark_grpc.client.local_stack import local_drafter, local_target
+from dspark_grpc.protos.dspark.v1 import draft_pb2, target_pb2
+
+from tests.service.conftest import MAX_SESSIONS, RawSession
+from tests.service.test_draft_service import DraftSession
+
+MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_drafter_killed_mid_generation_finishes_target_only(target_address):
+    port = free_port()
+    procs: list = []
+    with TargetClient(target_address) as ar_client:
+        reference = ar_client.generate(messages=MESSAGES, max_new_tokens=48, ignore_eos=True, mode="ar")
+    with local_drafter(["--drafter", "random", "--quiet"], echo=False, port=port, process=procs) as drafter:
+        client = TargetClient(target_address, drafter=drafter, draft_timeout=5.0)
+        client.wait_ready(120)
+        from dspark_grpc.protos.dspark.v1 import common_pb2
+
+        stats = common_pb2.GenerationStats()
+        ids = []
+        for n, (_, toks, _) in enumerate(client.stream(messages=MESSAGES, max_new_tokens=48, ignore_eos=True,
+                                                       mode="speculation", stats=stats)):
+            ids.extend(toks)
+            if n == 5:
+                procs[0].kill()  # the drafter dies mid-request
+        assert ids == reference.token_ids
+        assert stats.speculative_steps > 0 and "drafter" in stats.fallback_reason
+        assert stats.mode_run == common_pb2.DECODE_MODE_SPECULATION
+
+    # the drafter comes back on the same address: new requests speculate again
+    with local_drafter(["--drafter", "random", "--quiet"], echo=False, port=port):
+        client.wait_ready(120)
+        again = client.generate(messages=MESSAGES, max_new_tokens=16, ignore_eos=True, mode="speculation")
+        assert again.stats.fallback_reason == "" and again.stats.speculative_steps > 0
+        assert again.token_ids == reference.token_ids[:16]
+    client.close()
+
+
+def _sessions_free(open_session) -> bool:
+    ok = 0
+    for _ in range(MAX_SESSIONS):
+        ok += open_session()
+    return ok == MAX_SESSIONS
+
+
+def test_cancelled_request_frees_its_sessions_on_both_services(target_address, draft_address):
+    with TargetClient(target_address, drafter=draft_address) as client:
+        for _ in range(MAX_SESSIONS + 1):  # more requests than session slots: each cancel must free its slots
+            stream = client.stream(messages=MESSAGES, max_new_tokens=200, ignore_eos=True, mode="speculation")
+            next(stream)
+            stream.close()  # the caller walks away mid-generation
+    info = DraftSession(draft_address).stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest())
+    deadline = time.monotonic() + 30
+    while True:
+        target, draft = RawSession(target_address), DraftSession(draft_address)
+        target_ok = _sessions_free(lambda t=target: t.call(open=target_pb2.OpenSession()).status.code == 0)
+        draft_ok = _sessions_free(lambda d=draft: d.call(open=draft_pb2.OpenDraft(target=info.target)).status.code == 0)
+        target.close()
+        draft.close()
+        if target_ok and draft_ok:
+            break
+        assert time.monotonic() < deadline, (target_ok, draft_ok)
+        time.sleep(0.5)
+
+
+def test_generate_rpc_speculates_server_side(draft_address, tmp_path):
+    import grpc
+    from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2_grpc
+
+    with local_target(["--drafter", draft_address, "--quiet"], echo=False) as address:
+        TargetClient(address).wait_ready(120)
+        with grpc.insecure_channel(address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            prompt = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+                common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]))
+            runs = {}
+            for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION):
+                for proposal in (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE):
+                    out = list(stub.Generate(target_pb2.GenerateRequest(
+                        prompt=prompt, max_new_tokens=24, mode=mode, proposal=proposal), timeout=120))
+                    runs[mode, proposal] = ([t for m in out for t in m.token_ids], "".join(m.text for m in out),
+                                            out[-1].stats)
+            ar = runs[common_pb2.DECODE_MODE_AR, draft_pb2.PROPOSAL_KIND_CHAIN]
+            for (mode, _), (ids, text, stats) in runs.items():
+                assert (ids, text) == ar[:2]
+                expected = common_pb2.DECODE_MODE_SPECULATION if mode == common_pb2.DECODE_MODE_SPECULATION \
+                    else common_pb2.DECODE_MODE_AR
+                assert stats.mode_run == expected and stats.fallback_reason == ""
