@@ -93,6 +93,7 @@ class SpeculationConfig:
     kind: int = draft_pb2.PROPOSAL_KIND_CHAIN
     budget: int = 0  # 0 = the drafter's default (its whole block for a chain)
     kernel: int = draft_pb2.KERNEL_CHOICE_UNSPECIFIED
+    proposer: int = draft_pb2.PROPOSER_UNSPECIFIED  # the drafter's default
     timeout_s: float = 10.0  # per drafter call; slower means the drafter is treated as failed
 
 
@@ -136,13 +137,15 @@ class Speculator:
             self.session_id = opened.session_id
 
     def append(self, start: int, tokens: list[int], capture: common_pb2.HiddenCapture) -> None:
-        self._guard("append", append=draft_pb2.AppendContext(session_id=self.session_id, start_position=start,
-                                                              tokens=tokens, capture=capture))
+        op = draft_pb2.AppendContext(session_id=self.session_id, start_position=start, tokens=tokens)
+        if capture.layer_ids:  # prompt lookup alone takes token ids only
+            op.capture.CopyFrom(capture)
+        self._guard("append", append=op)
 
     def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> draft_pb2.Proposal | None:
         proposal = self._guard("propose", propose=draft_pb2.Propose(
             session_id=self.session_id, anchor_token=anchor, anchor_position=position, kind=self.spec.kind,
-            budget=self.spec.budget, kernel=self.spec.kernel, sampling=sampling))
+            budget=self.spec.budget, kernel=self.spec.kernel, proposer=self.spec.proposer, sampling=sampling))
         if proposal is None:
             return None
         if not proposal.tree.tokens or proposal.tree.tokens[0] != anchor:

@@ -21,9 +21,13 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="load a DSpark drafter and serve dspark.v1.DraftService",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--drafter", required=True,
-                   help="drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators layout) or "
-                        "a GGUF from dspark-convert; 'random' = a seeded random drafter for the target (tests, demos)")
+    s.add_argument("--drafter", default=None,
+                   help="DSpark drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators "
+                        "layout) or a GGUF from dspark-convert; 'random' = a seeded random drafter for the target "
+                        "(tests, demos); none = prompt lookup only")
+    s.add_argument("--proposer", choices=("dspark", "ngram", "hybrid"), default=None,
+                   help="default proposer: hybrid (n-gram branches merged into the DSpark tree) with a drafter, "
+                        "ngram (prompt lookup) without one")
     s.add_argument("--target-model", default=None,
                    help="the target checkpoint the drafter belongs to (its embedding/lm_head and fingerprint); "
                         "default: the embedded SmolLM2-135M-Instruct GGUF")
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
-                         max_tree_budget=args.max_tree_budget, default_kernel=args.kernel)
+                         max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
+                         default_proposer=args.proposer or "")
 
     def load() -> None:
         servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=DTYPES[args.dtype], limits=limits,

@@ -1,29 +1,43 @@
-"""The draft engine: per-session drafter context over one loaded DSpark drafter. Plain Python, no gRPC.
+"""The draft engine: per-session drafter context and proposals. Plain Python, no gRPC.
 
-A session holds the committed rows of its sequence that the target has sent: token ids and the target's
-hidden-state captures at the drafter's `target_layer_ids`, projected into the drafter's context K/V. A
-proposal drafts after the anchor (the target's pending token, at position = context length).
+A session holds the committed rows of its sequence that the target has sent: token ids (indexed for prompt
+lookup) and, with a DSpark drafter, the target's hidden-state captures at the drafter's `target_layer_ids`,
+projected into the drafter's context K/V. A proposal drafts after the anchor (the target's pending token, at
+position = context length). Proposers: "dspark" (the drafter's chain or DDTree), "ngram" (prompt lookup; needs
+no checkpoint) and "hybrid" (n-gram branches merged into the DSpark tree under one node budget; for a chain, the
+n-gram continuation where the context repeats itself, the DSpark chain elsewhere).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
-from dspark_grpc.runtime.ddtree import build_ddtree
+from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
 from dspark_grpc.runtime.markov import draft_chain
 from dspark_grpc.runtime.markov_triton import triton_runnable
+from dspark_grpc.runtime.ngram import (
+    SOURCE_BASE,
+    SOURCE_BOTH,
+    SOURCE_NGRAM,
+    SOURCE_ROOT,
+    NgramIndex,
+    merge_trees,
+    ngram_tree,
+)
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.tree import tree_depths
 
 PROTOCOL_VERSION = 1
 KERNELS = ("auto", "fused", "torch")
+PROPOSERS = ("dspark", "ngram", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -34,16 +48,24 @@ class DraftLimits:
     default_tree_budget: int = 16
     tree_top_k: int = 8
     default_kernel: str = "auto"  # for requests that do not choose
+    default_proposer: str = ""  # "" = hybrid with a DSpark drafter, ngram without
+    ngram_max: int = 4  # longest suffix matched by prompt lookup
+    ngram_chain: int = 8  # default n-gram chain length
+    hybrid_min_match: int = 2  # a hybrid chain follows the n-gram continuation from this match length on
 
 
 @dataclass
 class DraftSession:
-    context: DraftContext
-    tokens: list[int] = field(default_factory=list)
+    context: DraftContext | None  # None without a DSpark drafter
+    index: NgramIndex
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.tokens
 
     @property
     def length(self) -> int:
-        return len(self.tokens)
+        return len(self.index)
 
 
 @dataclass
@@ -52,22 +74,31 @@ class ProposalResult:
     parents: list[int]
     logprobs: list[float]
     confidences: torch.Tensor | None  # [depth] along the main chain
+    sources: list[str]  # per node: "" for the root, then "dspark", "ngram" or "hybrid" (both proposed it)
 
 
 class DraftEngine:
-    def __init__(self, drafter: Drafter, target_fingerprint: tuple[str, str], name: str, limits: DraftLimits):
+    def __init__(self, drafter: Drafter | None, vocab_size: int, target_fingerprint: tuple[str, str], name: str,
+                 limits: DraftLimits):
         self.drafter = drafter
-        self.config = drafter.config
+        self.config = drafter.config if drafter is not None else None
+        self.vocab_size = vocab_size
         self.target_fingerprint = target_fingerprint
         self.name = name
         self.limits = limits
+        self.proposers = PROPOSERS if drafter is not None else ("ngram",)
+        self.default_proposer = limits.default_proposer or ("hybrid" if drafter is not None else "ngram")
+        if self.default_proposer not in self.proposers:
+            raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
+                             f"available: {self.proposers}")
         self.sessions: SessionStore[DraftSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
         self._compute = threading.Lock()
 
     @classmethod
-    def load(cls, drafter_path: str | Path, target_path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-             limits: DraftLimits | None = None, progress: bool = True, seed: int = 0) -> DraftEngine:
-        """`drafter_path` "random" builds a seeded random drafter for the target (for tests and demos)."""
+    def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
+             dtype: torch.dtype = torch.float32, limits: DraftLimits | None = None, progress: bool = True,
+             seed: int = 0) -> DraftEngine:
+        """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target."""
         target_path = Path(target_path) if target_path else default_model_path()
         ckpt = load_checkpoint(target_path, progress=progress)
         if ckpt.gguf_metadata is not None:
@@ -75,16 +106,19 @@ class DraftEngine:
         else:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
         fingerprint = (ckpt.config.fingerprint(), tokenizer.fingerprint())
+        drafter, name = None, f"prompt lookup for {ckpt.config.name}"
         if str(drafter_path) == "random":
             lm_head = ckpt.weights.get("output.weight", ckpt.weights["tok_embeddings.weight"])
             drafter = init_random_drafter(ckpt.config, seed=seed, target_embed=ckpt.weights["tok_embeddings.weight"],
                                           target_lm_head=lm_head)
             name = f"random drafter (seed {seed}) for {ckpt.config.name}"
-        else:
+        elif drafter_path is not None:
             drafter = load_drafter(drafter_path, target_path=target_path, dtype=dtype)
             name = Path(drafter_path).name
-        check_drafter_fits_target(drafter, ckpt.config)
-        return cls(drafter.to(dtype).eval().requires_grad_(False), fingerprint, name, limits or DraftLimits())
+        if drafter is not None:
+            check_drafter_fits_target(drafter, ckpt.config)
+            drafter = drafter.to(dtype).eval().requires_grad_(False)
+        return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -100,7 +134,8 @@ class DraftEngine:
             raise FailedPrecondition(
                 f"this drafter was built for another target (model {self.target_fingerprint[0][:12]}…, tokenizer "
                 f"{self.target_fingerprint[1][:12]}…), not model {target[0][:12]}…, tokenizer {target[1][:12]}…")
-        return self.sessions.create(DraftSession(self.drafter.new_context()), owner)
+        context = self.drafter.new_context() if self.drafter is not None else None
+        return self.sessions.create(DraftSession(context, NgramIndex(self.limits.ngram_max)), owner)
 
     def release(self, session_id: str) -> None:
         self.sessions.release(session_id)
@@ -120,10 +155,23 @@ class DraftEngine:
         if start > s.length:
             raise FailedPrecondition(f"gap: the context holds rows [0, {s.length}) and these rows start at {start}; "
                                      f"send rows from {s.length} on")
-        vocab = self.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidArgument(f"token ids {bad[:5]} out of range [0, {vocab})")
+            raise InvalidArgument(f"token ids {bad[:5]} out of range [0, {self.vocab_size})")
+        if self.drafter is not None:
+            self._check_features(n, layer_ids, features)
+        overlap = min(s.length - start, n)
+        if tokens[:overlap] != s.tokens[start : start + overlap]:
+            raise FailedPrecondition(f"rows [{start}, {start + overlap}) differ from the rows already held; "
+                                     "truncate the context first")
+        if overlap < n:
+            if s.context is not None:
+                with self._compute:
+                    s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
+            s.index.extend(tokens[overlap:])
+        return s.length
+
+    def _check_features(self, n: int, layer_ids: list[int], features: torch.Tensor | None) -> None:
         if features is None:
             raise InvalidArgument("append.capture is missing: the DSpark drafter needs the target's hidden states")
         expected_layers = list(self.config.target_layer_ids)
@@ -136,32 +184,27 @@ class DraftEngine:
                                   f"{width[1]}] (rows, layers, target hidden size)")
         if not features.is_floating_point():
             raise InvalidArgument(f"capture rows must be bfloat16 (or float16/float32), not {features.dtype}")
-        overlap = min(s.length - start, n)
-        if tokens[:overlap] != s.tokens[start : start + overlap]:
-            raise FailedPrecondition(f"rows [{start}, {start + overlap}) differ from the rows already held; "
-                                     "truncate the context first")
-        if overlap < n:
-            with self._compute:
-                s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
-            s.tokens.extend(tokens[overlap:])
-        return s.length
 
     def truncate(self, session_id: str, length: int) -> int:
         s = self.sessions.get(session_id)
         if not 0 <= length <= s.length:
             raise InvalidArgument(f"truncate length must be in [0, {s.length}], got {length}")
-        s.context.truncate(length)
-        del s.tokens[length:]
+        if s.context is not None:
+            s.context.truncate(length)
+        s.index.truncate(length)
         return s.length
 
     # -- proposals ----------------------------------------------------------------------------------
 
     def propose(self, session_id: str, anchor_token: int, anchor_position: int, tree: bool = False,
                 budget: int = 0, kernel: str = "", temperature: float = 0.0,
-                generator: torch.Generator | None = None) -> ProposalResult:
+                generator: torch.Generator | None = None, proposer: str = "") -> ProposalResult:
         s = self.sessions.get(session_id)
-        if not 0 <= anchor_token < self.config.vocab_size:
-            raise InvalidArgument(f"anchor token {anchor_token} out of range [0, {self.config.vocab_size})")
+        proposer = proposer or self.default_proposer
+        if proposer not in self.proposers:
+            raise InvalidArgument(f"proposer {proposer!r} is not available here; this drafter offers {self.proposers}")
+        if not 0 <= anchor_token < self.vocab_size:
+            raise InvalidArgument(f"anchor token {anchor_token} out of range [0, {self.vocab_size})")
         if anchor_position != s.length:
             raise FailedPrecondition(f"the anchor must sit right after the context: the context has {s.length} rows, "
                                      f"the anchor is at {anchor_position}")
@@ -170,11 +213,40 @@ class DraftEngine:
         kernel = kernel or self.limits.default_kernel
         if kernel not in KERNELS:
             raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        depth = self.config.num_drafts
-        limit = self.limits.max_tree_budget if tree else depth
-        budget = budget or (self.limits.default_tree_budget if tree else depth)
+        if tree or proposer != "dspark":
+            limit, default = self.limits.max_tree_budget, self.limits.default_tree_budget if tree else \
+                self.limits.ngram_chain
+        else:
+            limit = default = self.config.num_drafts
+        budget = budget or default
         if not 1 <= budget <= limit:
-            raise InvalidArgument(f"budget {budget} out of range: 1..{limit} for a {'tree' if tree else 'chain'}")
+            raise InvalidArgument(f"budget {budget} out of range: 1..{limit} for a {'tree' if tree else 'chain'} "
+                                  f"from the {proposer} proposer")
+        candidates = []
+        if proposer != "dspark":
+            s.index.extend([anchor_token])  # the matched suffix ends at the anchor
+            try:
+                candidates = s.index.candidates(max_tokens=budget)
+            finally:
+                s.index.truncate(s.length - 1)
+        if proposer == "ngram":
+            t = ngram_tree(anchor_token, candidates[:1] if not tree else candidates, budget)
+            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *["ngram"] * (len(t.tokens) - 1)])
+        if proposer == "hybrid" and not tree and candidates and candidates[0].match_length >= \
+                self.limits.hybrid_min_match:
+            t = ngram_tree(anchor_token, candidates[:1], budget)
+            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *["ngram"] * (len(t.tokens) - 1)])
+        dspark = self._dspark(s, anchor_token, tree, min(budget, self.config.num_drafts) if not tree else budget,
+                              kernel, temperature, generator)
+        if proposer == "hybrid" and tree and candidates:
+            merged, sources = merge_trees(DraftTree(dspark.tokens, dspark.parents, dspark.logprobs,
+                                                    tree_depths(dspark.parents)), candidates, budget)
+            return ProposalResult(merged.tokens, merged.parents, merged.logprobs, dspark.confidences,
+                                  [_SOURCE_NAMES[x] for x in sources])
+        return dspark
+
+    def _dspark(self, s: DraftSession, anchor_token: int, tree: bool, budget: int, kernel: str, temperature: float,
+                generator: torch.Generator | None) -> ProposalResult:
         d = self.drafter
         if kernel == "fused" and (d.markov is not None and d.markov.kind != "vanilla" or temperature > 0):
             raise InvalidArgument("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
@@ -189,13 +261,17 @@ class DraftEngine:
                                  hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
                 chain = draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
                                     d.markov, d.confidence, d.d2t, kernel=kernel)
-                return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences)
+                return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
+                                      ["", *["dspark"] * (len(t.tokens) - 1)])
             chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
                                 anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
                                 generator=generator)
         tokens = [anchor_token, *chain.tokens]
         return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
-                              chain.confidences)
+                              chain.confidences, ["", *["dspark"] * chain.logprobs.numel()])
+
+
+_SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: "dspark", SOURCE_NGRAM: "ngram", SOURCE_BOTH: "hybrid"}
 
 
 def check_drafter_fits_target(drafter: Drafter, target) -> None:

@@ -17,6 +17,9 @@ from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 _KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
             draft_pb2.KERNEL_CHOICE_TORCH: "torch"}
 _SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}
+_PROPOSERS = {"dspark": draft_pb2.PROPOSER_DSPARK, "ngram": draft_pb2.PROPOSER_NGRAM,
+              "hybrid": draft_pb2.PROPOSER_HYBRID, "": draft_pb2.PROPOSER_UNSPECIFIED}
+_PROPOSER_NAMES = {v: k for k, v in _PROPOSERS.items()}
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -36,14 +39,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         except ServiceError as e:
             await context.abort(grpc.StatusCode[e.code_name], e.message)
         c = engine.config
-        return draft_pb2.GetDrafterInfoResponse(
-            name=engine.name, block_size=c.block_size, target_layer_ids=c.target_layer_ids,
-            mask_token_id=c.mask_token_id, vocab_size=c.vocab_size,
+        info = draft_pb2.GetDrafterInfoResponse(
+            name=engine.name, vocab_size=engine.vocab_size, protocol_version=PROTOCOL_VERSION,
             target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
-            protocol_version=PROTOCOL_VERSION, slot_convention=_SLOTS[c.slot_convention], markov_rank=c.markov_rank,
-            has_confidence_head=engine.drafter.confidence is not None, proposers=[draft_pb2.PROPOSER_DSPARK],
-            default_proposer=draft_pb2.PROPOSER_DSPARK, max_sessions=engine.limits.max_sessions,
-            max_tree_budget=engine.limits.max_tree_budget, max_message_bytes=self.max_message_bytes)
+            proposers=[_PROPOSERS[p] for p in engine.proposers], default_proposer=_PROPOSERS[engine.default_proposer],
+            max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
+            max_message_bytes=self.max_message_bytes)
+        if c is not None:  # a DSpark drafter (prompt lookup alone needs no features)
+            info.MergeFrom(draft_pb2.GetDrafterInfoResponse(
+                block_size=c.block_size, target_layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,
+                slot_convention=_SLOTS[c.slot_convention], markov_rank=c.markov_rank,
+                has_confidence_head=engine.drafter.confidence is not None))
+        return info
 
     async def DraftSession(self, request_iterator, context):
         async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner):
@@ -63,16 +70,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             m = request.open
             target = (m.target.model, m.target.tokenizer) if m.HasField("target") else None
             sid = engine.open_session(target, m.protocol_version, owner)
-            return dict(opened=draft_pb2.DraftOpened(session_id=sid, target_layer_ids=engine.config.target_layer_ids))
+            layers = engine.config.target_layer_ids if engine.config is not None else ()
+            return dict(opened=draft_pb2.DraftOpened(session_id=sid, target_layer_ids=layers))
         if op == "append":
             m = request.append
             capture = None
-            if m.HasField("capture"):
+            if m.HasField("capture") and m.capture.layer_ids:
                 if m.capture.start_position != m.start_position:
                     raise InvalidArgument(f"capture.start_position {m.capture.start_position} differs from "
                                           f"start_position {m.start_position}")
                 capture = from_proto(m.capture.rows, "append.capture.rows")
-            layers = list(m.capture.layer_ids) if m.HasField("capture") else []
+            layers = list(m.capture.layer_ids)
             length = engine.append(m.session_id, m.start_position, list(m.tokens), layers, capture)
             return dict(appended=draft_pb2.ContextAppended(length=length))
         if op == "propose":
@@ -80,9 +88,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if m.kind not in (draft_pb2.PROPOSAL_KIND_UNSPECIFIED, draft_pb2.PROPOSAL_KIND_CHAIN,
                               draft_pb2.PROPOSAL_KIND_TREE):
                 raise InvalidArgument(f"unknown proposal kind {m.kind}")
-            if m.proposer not in (draft_pb2.PROPOSER_UNSPECIFIED, draft_pb2.PROPOSER_DSPARK):
-                raise InvalidArgument(f"proposer {draft_pb2.Proposer.Name(m.proposer)} is not available here; "
-                                      "this drafter offers PROPOSER_DSPARK")
+            if m.proposer not in _PROPOSER_NAMES:
+                raise InvalidArgument(f"unknown proposer {m.proposer}")
             if m.budget < 0:
                 raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {m.budget}")
             if m.sampling.temperature < 0:
@@ -92,12 +99,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             t0 = time.perf_counter()
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
                                  kernel=_KERNELS.get(m.kernel, ""), temperature=m.sampling.temperature,
-                                 generator=generator)
+                                 generator=generator, proposer=_PROPOSER_NAMES[m.proposer])
             tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
                                             node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
             return dict(proposal=draft_pb2.Proposal(
                 tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
-                node_proposers=[draft_pb2.PROPOSER_UNSPECIFIED] + [draft_pb2.PROPOSER_DSPARK] * (len(out.tokens) - 1),
+                node_proposers=[_PROPOSERS[x] for x in out.sources],
                 compute_seconds=time.perf_counter() - t0))
         if op == "truncate":
             length = engine.truncate(request.truncate.session_id, request.truncate.length)

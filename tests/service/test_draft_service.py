@@ -91,11 +91,13 @@ def test_drafting_over_grpc_equals_in_process(draft, target_rows, in_process_eng
     tree = kind == draft_pb2.PROPOSAL_KIND_TREE
     budget = 6 if tree else 0  # a chain: the drafter's whole block
     proposal = draft.ok(propose=draft_pb2.Propose(session_id=sid, anchor_token=pre.next_token,
-                                                  anchor_position=len(PROMPT), kind=kind, kernel=kernel, budget=budget))
+                                                  anchor_position=len(PROMPT), kind=kind, kernel=kernel, budget=budget,
+                                                  proposer=draft_pb2.PROPOSER_DSPARK))
     engine = in_process_engine
     local = engine.open_session(engine.target_fingerprint)
     engine.append(local, 0, PROMPT, list(pre.capture.layer_ids), from_proto(pre.capture.rows))
-    expected = engine.propose(local, pre.next_token, len(PROMPT), tree=tree, budget=budget, kernel="torch")
+    expected = engine.propose(local, pre.next_token, len(PROMPT), tree=tree, budget=budget, kernel="torch",
+                              proposer="dspark")
     assert list(proposal.tree.tokens) == expected.tokens and list(proposal.tree.parents) == expected.parents
     assert proposal.tree.tokens[0] == pre.next_token
     torch.testing.assert_close(from_proto(proposal.tree.node_logprobs), torch.tensor(expected.logprobs),
@@ -170,7 +172,8 @@ def test_bad_sessions_budgets_and_handshakes(draft, target_rows, draft_address):
                          (draft_pb2.PROPOSAL_KIND_TREE, info.max_tree_budget + 1),
                          (draft_pb2.PROPOSAL_KIND_CHAIN, -1)]:
         draft.expect(INVALID_ARGUMENT, "budget", propose=draft_pb2.Propose(
-            session_id=sid, anchor_token=pre.next_token, anchor_position=position, kind=kind, budget=budget))
+            session_id=sid, anchor_token=pre.next_token, anchor_position=position, kind=kind, budget=budget,
+            proposer=draft_pb2.PROPOSER_DSPARK))
     draft.expect(FAILED_PRECONDITION, "anchor", propose=draft_pb2.Propose(
         session_id=sid, anchor_token=pre.next_token, anchor_position=position + 3))
     draft.expect(INVALID_ARGUMENT, "out of range", propose=draft_pb2.Propose(
