@@ -68,7 +68,8 @@ def _parse_prompt(item: object) -> dict:
 
 def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
               target: str | None = None, drafter: str | None = None, proposal: str = "chain", budget: int = 0,
-              kernel: str = "auto", *, drafter_checkpoint: str | None = None, target_model: str | None = None,
+              kernel: str = "auto", *, proposer: str = "default", drafter_checkpoint: str | None = None,
+              target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
@@ -90,17 +91,19 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         if drafter is None and needs_drafter:
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'random drafter'})")
-            args = ["--drafter", drafter_checkpoint or "random", "--max-sessions", sessions, "--quiet"]
+            checkpoint = drafter_checkpoint or "random"  # "none": prompt lookup only
+            args = (["--drafter", checkpoint] if checkpoint != "none" else []) + ["--max-sessions", sessions, "--quiet"]
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else [])))
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
-                                                  proposal=proposal, budget=budget, kernel=kernel,
+                                                  proposal=proposal, budget=budget, kernel=kernel, proposer=proposer,
                                                   draft_timeout=draft_timeout))
         client.wait_ready(timeout=600)
         info = client.model_info()
         config = {
             "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),
             "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "proposal": proposal,
+            "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": False,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dspark_grpc.client.local_stack import local_target
-from dspark_grpc.client.sdk import DEFAULT_TARGET, KERNELS, MODES, PROPOSALS, TargetClient
+from dspark_grpc.client.sdk import DEFAULT_TARGET, KERNELS, MODES, PROPOSALS, PROPOSERS, TargetClient
 from google.protobuf.json_format import MessageToDict
 
 DEMO_MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
@@ -28,6 +28,8 @@ def _speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposal", choices=tuple(PROPOSALS), default="chain", help="the drafter's proposal shape")
     p.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the drafter's default")
     p.add_argument("--kernel", choices=tuple(KERNELS), default="auto", help="the drafter's Markov chain path")
+    p.add_argument("--proposer", choices=tuple(PROPOSERS), default="default",
+                   help="dspark, ngram (prompt lookup) or hybrid; default = the draft service's default")
 
 
 def _int_list(text: str) -> list[int]:
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--target", default=None, help="a running target service; default: start one")
     b.add_argument("--drafter", default=None, help="a running draft service; default: start one")
     b.add_argument("--drafter-checkpoint", default=None,
-                   help="checkpoint for the started draft service; default: a seeded random drafter")
+                   help="checkpoint for the started draft service; default: a seeded random drafter; none: "
+                        "prompt lookup only")
     b.add_argument("--target-model", default=None,
                    help="model for the started target service (and the started drafter's target)")
     b.add_argument("--draft-timeout", type=float, default=10.0,
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error("--mode speculation needs --drafter ADDRESS")
         try:
             client = TargetClient(args.target, drafter=args.drafter, mode=mode, proposal=args.proposal,
-                                  budget=args.budget, kernel=args.kernel)
+                                  budget=args.budget, kernel=args.kernel, proposer=args.proposer)
         except ValueError as e:
             p.error(str(e))
         with client:
@@ -188,7 +191,8 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
     except (OSError, ValueError) as e:
         p.error(str(e))
     result = run_bench(prompts, args.modes, args.max_new_tokens, args.concurrency, args.target, args.drafter,
-                       args.proposal, args.budget, args.kernel, drafter_checkpoint=args.drafter_checkpoint,
+                       args.proposal, args.budget, args.kernel, proposer=args.proposer,
+                       drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        command=command)
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")

@@ -78,6 +78,8 @@ MODES = ("ar", "speculation", "adaptive")
 PROPOSALS = {"chain": draft_pb2.PROPOSAL_KIND_CHAIN, "tree": draft_pb2.PROPOSAL_KIND_TREE}
 KERNELS = {"auto": draft_pb2.KERNEL_CHOICE_UNSPECIFIED, "fused": draft_pb2.KERNEL_CHOICE_FUSED,
            "torch": draft_pb2.KERNEL_CHOICE_TORCH}
+PROPOSERS = {"default": draft_pb2.PROPOSER_UNSPECIFIED, "dspark": draft_pb2.PROPOSER_DSPARK,
+             "ngram": draft_pb2.PROPOSER_NGRAM, "hybrid": draft_pb2.PROPOSER_HYBRID}
 
 
 def make_channel(address: str) -> grpc.Channel:
@@ -94,11 +96,11 @@ class TargetClient:
     """
 
     def __init__(self, address: str = DEFAULT_TARGET, *, drafter: str | None = None, mode: str = "adaptive",
-                 proposal: str = "chain", budget: int = 0, kernel: str = "auto", timeout: float | None = 600.0,
-                 draft_timeout: float = 10.0) -> None:
+                 proposal: str = "chain", budget: int = 0, kernel: str = "auto", proposer: str = "default",
+                 timeout: float | None = 600.0, draft_timeout: float = 10.0) -> None:
         self.address = address
         self.drafter_address = drafter
-        self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel)
+        self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         _check_options(**self.defaults)
         self.timeout = timeout
         self.draft_timeout = draft_timeout
@@ -142,12 +144,12 @@ class TargetClient:
                tokens: list[int] | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | tuple = (),
                ignore_eos: bool = False, mode: str | None = None, proposal: str | None = None,
-               budget: int | None = None, kernel: str | None = None,
+               budget: int | None = None, kernel: str | None = None, proposer: str | None = None,
                stats: common_pb2.GenerationStats | None = None) -> Iterator[tuple[str, list[int], str | None]]:
-        """Yields (text, token_ids, finish_reason or None) as tokens are committed. mode/proposal/budget/kernel
-        override the client's defaults for this request."""
-        options = {**self.defaults, **{k: v for k, v in dict(mode=mode, proposal=proposal, budget=budget,
-                                                               kernel=kernel).items() if v is not None}}
+        """Yields (text, token_ids, finish_reason or None) as tokens are committed. mode/proposal/budget/kernel/
+        proposer override the client's defaults for this request."""
+        chosen = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
+        options = {**self.defaults, **{k: v for k, v in chosen.items() if v is not None}}
         _check_options(**options)
         stats = stats if stats is not None else common_pb2.GenerationStats()
         eos = frozenset(self.model_info().eos_token_ids)
@@ -163,7 +165,8 @@ class TargetClient:
                 stats.fallback_reason = "no drafter configured"
             else:
                 speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
-                                               KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats)
+                                               KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats,
+                                               PROPOSERS[options["proposer"]])
                 if speculation is not None:
                     streams.append(speculation.drafter)
         try:
@@ -186,8 +189,8 @@ class TargetClient:
 
 
 def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, budget: int, kernel: int,
-                     stream_timeout: float | None, draft_timeout: float,
-                     stats: common_pb2.GenerationStats) -> SpeculationConfig | None:
+                     stream_timeout: float | None, draft_timeout: float, stats: common_pb2.GenerationStats,
+                     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED) -> SpeculationConfig | None:
     """Ask the drafter who it is and open a draft stream; None (and the reason in stats) if it is unavailable."""
     try:
         info = draft_stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=draft_timeout)
@@ -195,10 +198,12 @@ def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, bud
         stats.fallback_reason = f"drafter unavailable ({e.code().name}: {e.details()}); target-only"
         return None
     return SpeculationConfig(drafter=SessionStream(draft_stub.DraftSession, stream_timeout), info=info, kind=kind,
-                             budget=budget, kernel=kernel, timeout_s=draft_timeout)
+                             budget=budget, kernel=kernel, proposer=proposer, timeout_s=draft_timeout)
 
 
-def _check_options(mode: str, proposal: str, budget: int, kernel: str) -> None:
+def _check_options(mode: str, proposal: str, budget: int, kernel: str, proposer: str) -> None:
+    if proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {tuple(PROPOSERS)}, got {proposer!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if proposal not in PROPOSALS:

@@ -219,7 +219,7 @@ class SessionReleased(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_new_tokens", "sampling", "stop", "mode", "ignore_eos", "proposal", "budget", "kernel")
+    __slots__ = ("prompt", "max_new_tokens", "sampling", "stop", "mode", "ignore_eos", "proposal", "budget", "kernel", "proposer")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class GenerateRequest(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     prompt: _common_pb2.Prompt
     max_new_tokens: int
     sampling: _common_pb2.SamplingParams
@@ -238,7 +239,8 @@ class GenerateRequest(_message.Message):
     proposal: _draft_pb2.ProposalKind
     budget: int
     kernel: _draft_pb2.KernelChoice
-    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., ignore_eos: _Optional[bool] = ..., proposal: _Optional[_Union[_draft_pb2.ProposalKind, str]] = ..., budget: _Optional[int] = ..., kernel: _Optional[_Union[_draft_pb2.KernelChoice, str]] = ...) -> None: ...
+    proposer: _draft_pb2.Proposer
+    def __init__(self, prompt: _Optional[_Union[_common_pb2.Prompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., ignore_eos: _Optional[bool] = ..., proposal: _Optional[_Union[_draft_pb2.ProposalKind, str]] = ..., budget: _Optional[int] = ..., kernel: _Optional[_Union[_draft_pb2.KernelChoice, str]] = ..., proposer: _Optional[_Union[_draft_pb2.Proposer, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
