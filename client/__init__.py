@@ -1,6 +1,8 @@
-"""dspark-grpc client SDK (torch-free): `TargetClient(address).generate(...)`."""
+"""dspark-grpc client SDK (torch-free): `TargetClient(address, drafter=...).generate(...)`, or the asyncio twin
+`AsyncTargetClient`."""
 
+from dspark_grpc.client.aio import AsyncTargetClient
 from dspark_grpc.client.generation import RequestError
 from dspark_grpc.client.sdk import GenerationResult, TargetClient
 
-__all__ = ["GenerationResult", "RequestError", "TargetClient"]
+__all__ = ["AsyncTargetClient", "GenerationResult", "RequestError", "TargetClient"]
