@@ -1,16 +1,40 @@
-"""Which part of a verified tree the target accepts.
+"""Which part of a verified proposal the target accepts, and the draft distributions it needs to know.
 
-Sample-and-match (SpecInfer's naive rule): at each visited node draw y from the target's own
-distribution there; if y is a child of the node, move to it, otherwise y is the bonus token. Every
-emitted token is a target sample, so the rule is exact for any tree at any temperature, and at
-temperature 0 it is the greedy tree walk. One target sample is drawn per emitted token, in order,
-exactly as AR decoding draws them.
+Two lossless rules; the target picks one per verify from what the proposal carries:
+
+- Rejection sampling (`accept_chain`; Leviathan et al. / Chen et al.) for a chain that comes with the
+  sparse draft distribution q_k each token x_k was *actually* drawn from. Accept x_k with probability
+  min(1, p_k(x_k) / q_k(x_k)), p_k the target's distribution at the parent; at the first rejection emit a
+  sample of norm(max(0, p_k - q_k)); after a fully accepted chain emit a bonus from p_{n+1}. Acceptance
+  is 1 - TV(p_k, q_k), the best any rule can do for one drafted token.
+- Sample-and-match (`accept_tree`; SpecInfer's naive rule) for trees, and for chains sent without
+  draft distributions: at each visited node draw y from the target's own distribution there; if y is a
+  child of the node, move to it, otherwise y is the bonus token. Every emitted token is a target sample,
+  so the rule is exact for any tree, however it was built. Acceptance of x is p(x), below min(1, p/q).
+
+min(1, p/q) is only exact when x was drawn from q. DDTree's children are the deterministic top-k of the
+draft, not draws from it: applying the rule there with q = the draft softmax over-emits the top-ranked
+tokens (a top-1 chain accepts x = argmax q with probability min(1, p(x)/q(x)), which has nothing to do
+with p(x)). So trees use sample-and-match (dspark_algorithm.md §5).
+
+At temperature 0 the target distribution is one-hot and both rules are greedy matching: accept while the
+drafted token is the target's argmax, then emit the argmax. The drafter side is `draft_sparse_distribution`
+(softmax of the top-k corrected logits at T) and `sample_sparse` (draw from it), so the q the target
+receives is exactly the one the chain was sampled from.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-from dspark_grpc.runtime.sampling import SamplingParams, sample
+from dspark_grpc.runtime.sampling import SamplingParams, sample, target_probs
+from torch import Tensor
+
+# How far the exp of a draft row's log-probs may sum from 1 (float32 log_softmax is ~1e-6 off).
+Q_SUM_TOLERANCE = 1e-3
+# Below this the residual max(0, p - q) is rounding noise: the rejection branch draws from p instead.
+RESIDUAL_FLOOR = 1e-9
 
 
 def children_by_token(tokens: list[int], parents: list[int]) -> list[dict[int, int]]:
@@ -22,7 +46,7 @@ def children_by_token(tokens: list[int], parents: list[int]) -> list[dict[int, i
 
 def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[list[int], int]:
-    """Returns (accepted root-to-node path starting at 0, bonus token)."""
+    """Sample-and-match. Returns (accepted root-to-node path starting at 0, bonus token)."""
     assert logits.dim() == 2 and logits.shape[0] == len(tokens) == len(parents)
     children = children_by_token(tokens, parents)
     path = [0]
@@ -32,3 +56,154 @@ def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], par
         if child is None:
             return path, y
         path.append(child)
+
+
+def dense_draft_probs(draft_ids: Tensor, draft_logprobs: Tensor, vocab: int) -> Tensor:
+    """Sparse draft rows (ids [..., K], -1 = padding; log-probs [..., K]) -> dense float64 probabilities [..., vocab].
+
+    An id listed twice gets the sum of its entries, the chance that drawing from the row gives it. Raises
+    ValueError for ids outside the vocabulary, log-probs above 0 or NaN, and rows whose mass is not 1.
+    """
+    if draft_ids.dim() == 0 or draft_logprobs.shape != draft_ids.shape:
+        raise ValueError(f"draft ids and log-probs must have one shape [..., K]; got {tuple(draft_ids.shape)} and "
+                         f"{tuple(draft_logprobs.shape)}")
+    if draft_ids.dtype.is_floating_point or draft_ids.dtype.is_complex or draft_ids.dtype == torch.bool:
+        raise ValueError(f"draft ids must be an integer tensor, got {draft_ids.dtype}")
+    if not draft_logprobs.dtype.is_floating_point:
+        raise ValueError(f"draft log-probs must be a float tensor, got {draft_logprobs.dtype}")
+    lead, width = draft_ids.shape[:-1], draft_ids.shape[-1]
+    ids = draft_ids.long().reshape(-1, width)
+    if ids.shape[0] == 0:
+        return torch.zeros(*lead, vocab, dtype=torch.float64, device=draft_ids.device)
+    if width == 0:
+        raise ValueError(f"draft rows are empty (K = 0) for {ids.shape[0]} drafted tokens")
+    low, high = (int(x) for x in torch.aminmax(ids))
+    if low < -1 or high >= vocab:
+        row, col = ((ids < -1) | (ids >= vocab)).nonzero()[0].tolist()
+        raise ValueError(f"draft id {int(ids[row, col])} in row {row}, column {col} is outside the target "
+                         f"vocabulary [0, {vocab}) (-1 marks padding); map draft ids to target ids first")
+    probs = torch.where(ids >= 0, draft_logprobs.reshape(-1, width).double(), -math.inf).exp()
+    if not bool((probs <= 1 + 1e-6).all()):  # NaN fails too
+        row = int((~(probs <= 1 + 1e-6)).nonzero()[0, 0])
+        raise ValueError(f"draft log-probs must be <= 0 and not NaN; row {row} is "
+                         f"{draft_logprobs.reshape(-1, width)[row].tolist()}")
+    # Column 0 collects the padding (probability 0); real id t lands in column t + 1.
+    dense = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float64, device=ids.device)
+    dense.scatter_add_(-1, ids + 1, probs)
+    sums = dense.sum(dim=-1, keepdim=True)
+    for row, total in enumerate(sums.flatten().tolist()):
+        if not abs(total - 1) <= Q_SUM_TOLERANCE:
+            raise ValueError(f"draft row {row} sums to {total:.6g}, not 1: send the log-probs of the whole "
+                             f"(renormalized) distribution the token was drawn from, e.g. draft_sparse_distribution")
+    return (dense[:, 1:] / sums).reshape(*lead, vocab)
+
+
+def accept_chain(logits: Tensor, tokens: list[int], draft_ids: Tensor, draft_logprobs: Tensor,
+                 params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Speculative (rejection) sampling of a chain. Returns (accepted path [0, 1, ..., m], bonus token).
+
+    logits [n+1, V]: the target at each chain node, tokens [n+1]: the chain with the root at 0, draft_ids /
+    draft_logprobs [n, K]: row k-1 is the sparse distribution token k was drawn from (-1 pads ids).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [len(tokens), V], got {tuple(logits.shape)}")
+    if draft_ids.dim() != 2 or draft_logprobs.dim() != 2:
+        raise ValueError(f"draft ids and log-probs must be [n, K], got {tuple(draft_ids.shape)} and "
+                         f"{tuple(draft_logprobs.shape)}")
+    chain = torch.tensor([list(tokens)], dtype=torch.long, device=logits.device)
+    m, bonus = accept_chains(logits[None], chain, draft_ids[None], draft_logprobs[None], params, generator)
+    return list(range(int(m[0]) + 1)), int(bonus[0])
+
+
+def accept_chains(logits: Tensor, tokens: Tensor, draft_ids: Tensor, draft_logprobs: Tensor,
+                  params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """`accept_chain` for B chains of one length n at once: logits [B, n+1, V], tokens [B, n+1] (roots at 0),
+    draft_ids / draft_logprobs [B, n, K] -> (accepted count m [B], bonus token [B]); chain b keeps nodes 0..m[b].
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2] or tokens.shape[1] == 0:
+        raise ValueError(f"logits must be [B, n+1, V] and tokens [B, n+1] (the chains, roots first); got "
+                         f"{tuple(logits.shape)} and {tuple(tokens.shape)}")
+    batch, n, vocab = logits.shape[0], logits.shape[1] - 1, logits.shape[2]
+    if draft_ids.dim() != 3 or draft_ids.shape[:2] != (batch, n):
+        raise ValueError(f"draft ids must be [B={batch}, n={n}, K]: one row per drafted token, "
+                         f"got {tuple(draft_ids.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise ValueError(f"chain tokens must be integers, got {tokens.dtype}")
+    tokens = tokens.long()
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        bad = tokens[(tokens < 0) | (tokens >= vocab)].tolist()
+        raise ValueError(f"chain tokens {bad[:5]} are outside the target vocabulary [0, {vocab})")
+    q = dense_draft_probs(draft_ids, draft_logprobs, vocab).to(logits.device)
+    drafted = tokens[:, 1:, None]
+    q_x = q.gather(-1, drafted).squeeze(-1)  # [B, n]
+    if not bool((q_x > 0).all()):
+        b, k = (~(q_x > 0)).nonzero()[0].tolist()
+        raise ValueError(f"chain token {k + 1} ({int(tokens[b, k + 1])}) of chain {b} has no mass in its draft row "
+                         f"{k}: the row must be the distribution the token was drawn from, so it must contain it")
+    if params.is_greedy:
+        best = logits.argmax(dim=-1)  # [B, n+1]
+        m = (tokens[:, 1:] == best[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+        return m, best.gather(-1, m[:, None]).squeeze(-1)
+    p = target_probs(logits, params).double()  # [B, n+1, V]
+    p_x = p[:, :-1].gather(-1, drafted).squeeze(-1)
+    u = torch.rand(batch, n, dtype=torch.float64, generator=generator, device=_device(generator, logits))
+    accepted = u.to(logits.device) * q_x < p_x  # probability min(1, p/q)
+    m = accepted.long().cumprod(dim=-1).sum(dim=-1)
+    # Row m: the residual of the first rejected token, or p itself after a full chain (q's row n is zero).
+    rows = m[:, None, None].expand(batch, 1, vocab)
+    p_m = p.gather(1, rows).squeeze(1)
+    q_m = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1).gather(1, rows).squeeze(1)
+    residual = (p_m - q_m).clamp_(min=0)
+    dist = torch.where(residual.sum(dim=-1, keepdim=True) > RESIDUAL_FLOOR, residual, p_m)
+    bonus = torch.multinomial(dist.to(_device(generator, dist)), 1, generator=generator).squeeze(-1)
+    return m, bonus.to(logits.device)
+
+
+def draft_sparse_distribution(corrected_logits: Tensor, temperature: float, top_k: int,
+                              d2t: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """[n, V_d] corrected logits -> (ids [n, top_k] int64, log-probs [n, top_k] float32): the distribution a
+    sampling drafter draws each chain token from, softmax(Z / T) over the top_k logits (0 = all), renormalized.
+
+    Temperature 0 is a one-hot at the argmax (ties -> lowest id). Rows shorter than top_k are padded with id -1
+    and log-prob -inf. With d2t (target = draft + d2t[draft]) the ids are target ids.
+    """
+    if corrected_logits.dim() != 2:
+        raise ValueError(f"corrected logits must be [n, V_d], got {tuple(corrected_logits.shape)}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 keeps the whole draft vocabulary), got {top_k!r}")
+    n, vocab = corrected_logits.shape
+    width = top_k or vocab
+    z = corrected_logits.float()
+    ids = torch.full((n, width), -1, dtype=torch.long, device=z.device)
+    logprobs = torch.full((n, width), -math.inf, dtype=torch.float32, device=z.device)
+    if temperature == 0:
+        ids[:, 0] = z.argmax(dim=-1)
+        logprobs[:, 0] = 0.0
+    else:
+        k = min(width, vocab)
+        values, top = (z / temperature).topk(k, dim=-1)
+        ids[:, :k] = top
+        logprobs[:, :k] = values.log_softmax(dim=-1)
+    if d2t is not None:
+        real = ids >= 0
+        ids = torch.where(real, ids + d2t.to(ids.device).long()[ids.clamp(min=0)], -1)
+    return ids, logprobs
+
+
+def sample_sparse(ids: Tensor, logprobs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Sparse rows (ids [..., K], -1 = padding; log-probs [..., K]) -> [...] ids drawn from each row."""
+    if ids.shape != logprobs.shape or ids.dim() == 0:
+        raise ValueError(f"ids and log-probs must have the same shape [..., K], got {tuple(ids.shape)} and "
+                         f"{tuple(logprobs.shape)}")
+    probs = torch.where(ids >= 0, logprobs.double().exp(), 0.0).reshape(-1, ids.shape[-1])
+    if not bool((probs.sum(dim=-1) > 0).all()):
+        raise ValueError("every sparse row needs at least one id with probability > 0")
+    col = torch.multinomial(probs, 1, generator=generator)
+    return ids.reshape(-1, ids.shape[-1]).gather(-1, col).view(ids.shape[:-1])
+
+
+def _device(generator: torch.Generator | None, tensor: Tensor) -> torch.device:
+    """Where random numbers are drawn: the generator's device (the engine may keep a CPU generator for GPU logits)."""
+    return tensor.device if generator is None else generator.device
