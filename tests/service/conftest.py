@@ -35,6 +35,15 @@ def draft_address() -> str:
         yield address
 
 
+@pytest.fixture(scope="session")
+def spec_target_address(draft_address: str) -> str:
+    """A second target that speculates with the random drafter in its Generate RPC."""
+    with local_target(["--drafter", draft_address, "--quiet"], echo=False) as address:
+        with TargetClient(address) as probe:
+            probe.wait_ready(timeout=300)
+        yield address
+
+
 @pytest.fixture()
 def client(target_address: str):
     with TargetClient(target_address, timeout=300) as c:

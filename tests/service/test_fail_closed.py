@@ -6,7 +6,7 @@ import socket
 import time
 
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.local_stack import local_drafter, local_target
+from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.protos.dspark.v1 import draft_pb2, target_pb2
 
 from tests.service.conftest import MAX_SESSIONS, RawSession
@@ -78,26 +78,22 @@ def test_cancelled_request_frees_its_sessions_on_both_services(target_address, d
         time.sleep(0.5)
 
 
-def test_generate_rpc_speculates_server_side(draft_address, tmp_path):
+def test_generate_rpc_speculates_server_side(spec_target_address):
     import grpc
     from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2_grpc
 
-    with local_target(["--drafter", draft_address, "--quiet"], echo=False) as address:
-        TargetClient(address).wait_ready(120)
-        with grpc.insecure_channel(address) as channel:
-            stub = target_pb2_grpc.TargetServiceStub(channel)
-            prompt = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
-                common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]))
-            runs = {}
-            for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION):
-                for proposal in (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE):
-                    out = list(stub.Generate(target_pb2.GenerateRequest(
-                        prompt=prompt, max_new_tokens=24, mode=mode, proposal=proposal), timeout=120))
-                    runs[mode, proposal] = ([t for m in out for t in m.token_ids], "".join(m.text for m in out),
-                                            out[-1].stats)
-            ar = runs[common_pb2.DECODE_MODE_AR, draft_pb2.PROPOSAL_KIND_CHAIN]
-            for (mode, _), (ids, text, stats) in runs.items():
-                assert (ids, text) == ar[:2]
-                expected = common_pb2.DECODE_MODE_SPECULATION if mode == common_pb2.DECODE_MODE_SPECULATION \
-                    else common_pb2.DECODE_MODE_AR
-                assert stats.mode_run == expected and stats.fallback_reason == ""
+    with grpc.insecure_channel(spec_target_address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        prompt = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+            common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]))
+        runs = {}
+        for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION):
+            for proposal in (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE):
+                out = list(stub.Generate(target_pb2.GenerateRequest(
+                    prompt=prompt, max_new_tokens=24, mode=mode, proposal=proposal), timeout=120))
+                runs[mode, proposal] = ([t for m in out for t in m.token_ids], "".join(m.text for m in out),
+                                        out[-1].stats)
+        ar = runs[common_pb2.DECODE_MODE_AR, draft_pb2.PROPOSAL_KIND_CHAIN]
+        for (mode, _), (ids, text, stats) in runs.items():
+            assert (ids, text) == ar[:2]
+            assert stats.mode_run == mode and stats.fallback_reason == ""
