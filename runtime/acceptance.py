@@ -2,25 +2,29 @@
 
 Two lossless rules; the target picks one per verify from what the proposal carries:
 
-- Rejection sampling (`accept_chain`; Leviathan et al. / Chen et al.) for a chain that comes with the
-  sparse draft distribution q_k each token x_k was *actually* drawn from. Accept x_k with probability
-  min(1, p_k(x_k) / q_k(x_k)), p_k the target's distribution at the parent; at the first rejection emit a
-  sample of norm(max(0, p_k - q_k)); after a fully accepted chain emit a bonus from p_{n+1}. Acceptance
-  is 1 - TV(p_k, q_k), the best any rule can do for one drafted token.
-- Sample-and-match (`accept_tree`; SpecInfer's naive rule) for trees, and for chains sent without
-  draft distributions: at each visited node draw y from the target's own distribution there; if y is a
-  child of the node, move to it, otherwise y is the bonus token. Every emitted token is a target sample,
-  so the rule is exact for any tree, however it was built. Acceptance of x is p(x), below min(1, p/q).
+- Rejection sampling (`accept_chain`, batched `accept_chains`; Leviathan et al. / Chen et al.) for a chain
+  that comes with the sparse draft distribution q_k each token x_k was *actually* drawn from. Accept x_k
+  with probability min(1, p_k(x_k) / q_k(x_k)), p_k the target's distribution at the parent; at the first
+  rejection emit a sample of norm(max(0, p_k - q_k)) (p_k if that is ~0); after a fully accepted chain emit
+  a bonus from p at the last node. A drafted token is accepted with probability sum_x min(p_k, q_k) =
+  1 - TV(p_k, q_k), the most any exact rule gets from one draw.
+- Sample-and-match (`accept_tree`; SpecInfer's naive rule) for trees, and for chains sent without draft
+  distributions: at each visited node draw y from the target's own distribution there; if y is a child of
+  the node, move to it, otherwise y is the bonus token. Every emitted token is a target sample, so the rule
+  is exact for any tree, however it was built. A drafted x ~ q is accepted with sum_x q(x) p(x) only.
 
-min(1, p/q) is only exact when x was drawn from q. DDTree's children are the deterministic top-k of the
-draft, not draws from it: applying the rule there with q = the draft softmax over-emits the top-ranked
-tokens (a top-1 chain accepts x = argmax q with probability min(1, p(x)/q(x)), which has nothing to do
-with p(x)). So trees use sample-and-match (dspark_algorithm.md §5).
+min(1, p/q) is exact only when x was drawn from exactly q. DDTree's children are the deterministic top-k of
+the draft, not draws from it: with q = the draft softmax the rule over-emits the top-ranked tokens (a top-1
+chain accepts x = argmax q with probability min(1, p(x)/q(x)), unrelated to p(x)), so trees use
+sample-and-match (dspark_algorithm.md §5). For the same reason q must be the distribution at the drafter's
+sampling temperature and truncation, not softmax(Z) or another T; the drafter's T need not equal the
+target's.
 
-At temperature 0 the target distribution is one-hot and both rules are greedy matching: accept while the
-drafted token is the target's argmax, then emit the argmax. The drafter side is `draft_sparse_distribution`
-(softmax of the top-k corrected logits at T) and `sample_sparse` (draw from it), so the q the target
-receives is exactly the one the chain was sampled from.
+p is `target_probs` (temperature, top-k, top-p), the same function AR decoding samples from. At temperature 0
+it is one-hot and both rules are greedy matching: accept while the drafted token is the target's argmax, then
+emit the argmax; no random numbers are drawn. The drafter side is `draft_sparse_distribution` (softmax of the
+top-k corrected logits at T, renormalized) and `sample_sparse` (a draw from it), so the q the target receives
+is the one the chain was sampled from.
 """
 
 from __future__ import annotations
@@ -80,12 +84,12 @@ def dense_draft_probs(draft_ids: Tensor, draft_logprobs: Tensor, vocab: int) -> 
     low, high = (int(x) for x in torch.aminmax(ids))
     if low < -1 or high >= vocab:
         row, col = ((ids < -1) | (ids >= vocab)).nonzero()[0].tolist()
-        raise ValueError(f"draft id {int(ids[row, col])} in row {row}, column {col} is outside the target "
+        raise ValueError(f"draft id {int(ids[row, col])} in row {_row(row, lead)}, column {col} is outside the target "
                          f"vocabulary [0, {vocab}) (-1 marks padding); map draft ids to target ids first")
     probs = torch.where(ids >= 0, draft_logprobs.reshape(-1, width).double(), -math.inf).exp()
     if not bool((probs <= 1 + 1e-6).all()):  # NaN fails too
         row = int((~(probs <= 1 + 1e-6)).nonzero()[0, 0])
-        raise ValueError(f"draft log-probs must be <= 0 and not NaN; row {row} is "
+        raise ValueError(f"draft log-probs must be <= 0 and not NaN; row {_row(row, lead)} is "
                          f"{draft_logprobs.reshape(-1, width)[row].tolist()}")
     # Column 0 collects the padding (probability 0); real id t lands in column t + 1.
     dense = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float64, device=ids.device)
@@ -93,7 +97,7 @@ def dense_draft_probs(draft_ids: Tensor, draft_logprobs: Tensor, vocab: int) -> 
     sums = dense.sum(dim=-1, keepdim=True)
     for row, total in enumerate(sums.flatten().tolist()):
         if not abs(total - 1) <= Q_SUM_TOLERANCE:
-            raise ValueError(f"draft row {row} sums to {total:.6g}, not 1: send the log-probs of the whole "
+            raise ValueError(f"draft row {_row(row, lead)} sums to {total:.6g}, not 1: send the log-probs of the whole "
                              f"(renormalized) distribution the token was drawn from, e.g. draft_sparse_distribution")
     return (dense[:, 1:] / sums).reshape(*lead, vocab)
 
@@ -105,13 +109,18 @@ def accept_chain(logits: Tensor, tokens: list[int], draft_ids: Tensor, draft_log
     logits [n+1, V]: the target at each chain node, tokens [n+1]: the chain with the root at 0, draft_ids /
     draft_logprobs [n, K]: row k-1 is the sparse distribution token k was drawn from (-1 pads ids).
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [len(tokens), V], got {tuple(logits.shape)}")
-    if draft_ids.dim() != 2 or draft_logprobs.dim() != 2:
-        raise ValueError(f"draft ids and log-probs must be [n, K], got {tuple(draft_ids.shape)} and "
-                         f"{tuple(draft_logprobs.shape)}")
-    chain = torch.tensor([list(tokens)], dtype=torch.long, device=logits.device)
-    m, bonus = accept_chains(logits[None], chain, draft_ids[None], draft_logprobs[None], params, generator)
+    n = len(tokens) - 1
+    if n < 0 or logits.dim() != 2 or logits.shape[0] != n + 1:
+        raise ValueError(f"logits must be [len(tokens)={n + 1}, V] and the chain needs its root; got logits "
+                         f"{tuple(logits.shape)}")
+    if draft_ids.dim() != 2 or draft_ids.shape[0] != n:
+        raise ValueError(f"draft ids must be [n={n}, K]: one row per drafted token, got {tuple(draft_ids.shape)}")
+    bad = [t for t in tokens if not 0 <= t < logits.shape[1]]
+    if bad:
+        raise ValueError(f"chain tokens {bad[:5]} are outside the target vocabulary [0, {logits.shape[1]})")
+    q = dense_draft_probs(draft_ids, draft_logprobs, logits.shape[1]).to(logits.device)
+    chain = torch.tensor([tokens], dtype=torch.long, device=logits.device)
+    m, bonus = _accept(logits[None], chain, q[None], params, generator)
     return list(range(int(m[0]) + 1)), int(bonus[0])
 
 
@@ -127,19 +136,27 @@ def accept_chains(logits: Tensor, tokens: Tensor, draft_ids: Tensor, draft_logpr
     if draft_ids.dim() != 3 or draft_ids.shape[:2] != (batch, n):
         raise ValueError(f"draft ids must be [B={batch}, n={n}, K]: one row per drafted token, "
                          f"got {tuple(draft_ids.shape)}")
-    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise ValueError(f"chain tokens must be integers, got {tokens.dtype}")
-    tokens = tokens.long()
+    tokens = tokens.long().to(logits.device)
     if bool(((tokens < 0) | (tokens >= vocab)).any()):
         bad = tokens[(tokens < 0) | (tokens >= vocab)].tolist()
         raise ValueError(f"chain tokens {bad[:5]} are outside the target vocabulary [0, {vocab})")
     q = dense_draft_probs(draft_ids, draft_logprobs, vocab).to(logits.device)
+    return _accept(logits, tokens, q, params, generator)
+
+
+def _accept(logits: Tensor, tokens: Tensor, q: Tensor, params: SamplingParams,
+            generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """logits [B, n+1, V], tokens [B, n+1], dense draft probabilities q [B, n, V] -> (m [B], bonus [B])."""
+    batch, n, vocab = logits.shape[0], logits.shape[1] - 1, logits.shape[2]
     drafted = tokens[:, 1:, None]
     q_x = q.gather(-1, drafted).squeeze(-1)  # [B, n]
     if not bool((q_x > 0).all()):
         b, k = (~(q_x > 0)).nonzero()[0].tolist()
-        raise ValueError(f"chain token {k + 1} ({int(tokens[b, k + 1])}) of chain {b} has no mass in its draft row "
-                         f"{k}: the row must be the distribution the token was drawn from, so it must contain it")
+        chain = f" of chain {b}" if batch > 1 else ""
+        raise ValueError(f"chain token {k + 1} ({int(tokens[b, k + 1])}){chain} has no mass in its draft row {k}: "
+                         f"the row must be the distribution the token was drawn from, so it must contain it")
     if params.is_greedy:
         best = logits.argmax(dim=-1)  # [B, n+1]
         m = (tokens[:, 1:] == best[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
@@ -202,6 +219,12 @@ def sample_sparse(ids: Tensor, logprobs: Tensor, generator: torch.Generator | No
         raise ValueError("every sparse row needs at least one id with probability > 0")
     col = torch.multinomial(probs, 1, generator=generator)
     return ids.reshape(-1, ids.shape[-1]).gather(-1, col).view(ids.shape[:-1])
+
+
+def _row(flat: int, lead: torch.Size) -> str:
+    """A flattened row index as the caller's index: 3, or (1, 0) for batched rows."""
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), lead)]
+    return str(index[0]) if len(index) == 1 else str(tuple(index))
 
 
 def _device(generator: torch.Generator | None, tensor: Tensor) -> torch.device:
