@@ -143,6 +143,11 @@ class Speculator:
         self._guard("append", append=op)
 
     def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> draft_pb2.Proposal | None:
+        if sampling.HasField("seed"):
+            # The drafter's coins must be independent of the target's (both seeded from the request's seed) for
+            # rejection sampling to stay exact, and fresh at every step: derive a per-position seed.
+            sampling = common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                                 top_k=sampling.top_k, seed=_draft_seed(sampling.seed, position))
         proposal = self._guard("propose", propose=draft_pb2.Propose(
             session_id=self.session_id, anchor_token=anchor, anchor_position=position, kind=self.spec.kind,
             budget=self.spec.budget, kernel=self.spec.kernel, proposer=self.spec.proposer, sampling=sampling))
@@ -264,6 +269,10 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             call(release=target_pb2.Release(session_id=sid))
         except Exception:  # noqa: BLE001 - the stream may already be gone; the server frees it then
             pass
+
+
+def _draft_seed(seed: int, position: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x5EED) % (1 << 63)
 
 
 _PROPOSER_NAMES = {v: k.removeprefix("PROPOSER_").lower() for k, v in draft_pb2.Proposer.items()}

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=16)
     s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     s.add_argument("--max-tree-budget", type=int, default=64)
+    s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix prompt lookup matches")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
     s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                          max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
-                         default_proposer=args.proposer or "")
+                         default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
     def load() -> None:
         servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=DTYPES[args.dtype], limits=limits,

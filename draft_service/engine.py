@@ -50,8 +50,10 @@ class DraftLimits:
     default_kernel: str = "auto"  # for requests that do not choose
     default_proposer: str = ""  # "" = hybrid with a DSpark drafter, ngram without
     ngram_max: int = 4  # longest suffix matched by prompt lookup
+    ngram_min: int = 2  # shortest (a single repeated token predicts little)
     ngram_chain: int = 8  # default n-gram chain length
     hybrid_min_match: int = 2  # a hybrid chain follows the n-gram continuation from this match length on
+    sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
 
 
 @dataclass
@@ -75,6 +77,9 @@ class ProposalResult:
     logprobs: list[float]
     confidences: torch.Tensor | None  # [depth] along the main chain
     sources: list[str]  # per node: "" for the root, then "dspark", "ngram" or "hybrid" (both proposed it)
+    # A sampled chain: the sparse distribution node k was drawn from, in row k-1 ([n, k] target ids, log-probs).
+    draft_ids: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
 
 
 class DraftEngine:
@@ -226,7 +231,7 @@ class DraftEngine:
         if proposer != "dspark":
             s.index.extend([anchor_token])  # the matched suffix ends at the anchor
             try:
-                candidates = s.index.candidates(max_tokens=budget)
+                candidates = s.index.candidates(min_ngram=self.limits.ngram_min, max_tokens=budget)
             finally:
                 s.index.truncate(s.length - 1)
         if proposer == "ngram":
@@ -265,10 +270,11 @@ class DraftEngine:
                                       ["", *["dspark"] * (len(t.tokens) - 1)])
             chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
                                 anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
-                                generator=generator)
+                                generator=generator, sample_top_k=self.limits.sample_top_k)
         tokens = [anchor_token, *chain.tokens]
         return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
-                              chain.confidences, ["", *["dspark"] * chain.logprobs.numel()])
+                              chain.confidences, ["", *["dspark"] * chain.logprobs.numel()], chain.draft_ids,
+                              chain.draft_logprobs)
 
 
 _SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: "dspark", SOURCE_NGRAM: "ngram", SOURCE_BOTH: "hybrid"}

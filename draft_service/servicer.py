@@ -102,6 +102,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                  generator=generator, proposer=_PROPOSER_NAMES[m.proposer])
             tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
                                             node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
+            if out.draft_ids is not None:  # row k-1 = the distribution node k was drawn from; the last row is unused
+                pad_ids = torch.full((1, out.draft_ids.shape[1]), -1, dtype=torch.int32)
+                pad_lps = torch.full((1, out.draft_ids.shape[1]), float("-inf"))
+                tree_msg.child_token_ids.CopyFrom(to_proto(torch.cat([out.draft_ids.to(torch.int32), pad_ids])))
+                tree_msg.child_logprobs.CopyFrom(to_proto(torch.cat([out.draft_logprobs.float(), pad_lps])))
             return dict(proposal=draft_pb2.Proposal(
                 tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
                 node_proposers=[_PROPOSERS[x] for x in out.sources],

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .acceptance import draft_sparse_distribution
+
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 KERNELS = ("auto", "fused", "torch")
 
@@ -108,6 +110,10 @@ class Chain:
     tokens: list[int]  # target ids
     logprobs: Tensor  # [K] fp32: log-prob of each token under the distribution it was drafted from
     confidences: Tensor | None  # [K] fp32
+    # When sampled from a top-k truncated distribution: that exact distribution per slot (target ids, [K, k]),
+    # which lossless rejection sampling at the target needs.
+    draft_ids: Tensor | None = None
+    draft_logprobs: Tensor | None = None
 
 
 @dataclass
@@ -117,6 +123,8 @@ class ChainSteps:
     logprobs: Tensor  # [K]
     embeddings: Tensor | None  # [K, r] = W1[prev_k]
     logits: Tensor  # [K, V_d] corrected logits Z_k
+    draft_ids: Tensor | None = None  # [K, k] with sample_top_k: the sparse distributions sampled from
+    draft_logprobs: Tensor | None = None
 
 
 def to_target(draft_token: int, d2t: Tensor | None) -> int:
@@ -141,20 +149,29 @@ def _check_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d
 
 def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidden_post: Tensor | None = None,
               d2t: Tensor | None = None, temperature: float = 0.0,
-              generator: torch.Generator | None = None) -> ChainSteps:
-    """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0."""
+              generator: torch.Generator | None = None, sample_top_k: int = 0) -> ChainSteps:
+    """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0. With sample_top_k > 0 a
+    sampled token is drawn from the top-k truncated softmax(Z_k / T), and that distribution is returned."""
     _check_inputs(base_logits, anchor, markov, d2t)
     n = base_logits.shape[0]
     w2 = None if markov is None else markov.w2.weight.float()
     state = None if markov is None else markov.init_state()
     prev, draft_tokens, tokens, logprobs, embeddings, logits = anchor, [], [], [], [], []
+    sparse_ids, sparse_lps = [], []
     for k in range(n):
         z = base_logits[k].float()
         if markov is not None:
             e, v, state = markov.step_vector(prev, None if hidden_post is None else hidden_post[k], state)
             z = z + w2 @ v
             embeddings.append(e)
-        if temperature > 0:
+        if temperature > 0 and sample_top_k > 0:
+            ids, lps = draft_sparse_distribution(z[None], temperature, sample_top_k)
+            slot = int(torch.multinomial(lps[0].exp(), 1, generator=generator))
+            x = int(ids[0, slot])
+            logp = torch.full_like(z, float("-inf")).index_put_((ids[0],), lps[0])
+            sparse_ids.append(torch.tensor([to_target(int(i), d2t) for i in ids[0]]))
+            sparse_lps.append(lps[0])
+        elif temperature > 0:
             logp = torch.log_softmax(z / temperature, dim=-1)
             x = int(torch.multinomial(logp.exp(), 1, generator=generator))
         else:
@@ -168,6 +185,8 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
     emb = None if markov is None else torch.stack(embeddings) if embeddings else torch.zeros(0, markov.rank)
     lp = torch.stack(logprobs) if logprobs else torch.zeros(0)
     z_all = torch.stack(logits) if logits else base_logits.float()
+    if sparse_ids:
+        return ChainSteps(draft_tokens, tokens, lp, emb, z_all, torch.stack(sparse_ids), torch.stack(sparse_lps))
     return ChainSteps(draft_tokens, tokens, lp, emb, z_all)
 
 
@@ -187,7 +206,8 @@ def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, de
 
 def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
                 markov: MarkovHead | None, confidence: ConfidenceHead | None, d2t: Tensor | None = None,
-                kernel: str = "auto", temperature: float = 0.0, generator: torch.Generator | None = None) -> Chain:
+                kernel: str = "auto", temperature: float = 0.0, generator: torch.Generator | None = None,
+                sample_top_k: int = 0) -> Chain:
     """base_logits [K, V_d], hidden_pre/post [K, H] (before/after the drafter's final norm) -> the DSpark chain.
 
     Greedy (ties -> lowest draft id) when temperature == 0, else x_k ~ softmax(Z_k / T) with `generator`.
@@ -205,8 +225,8 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
         if temperature != 0:
             raise ValueError("the fused Markov kernel is greedy only; use kernel='torch' for temperature > 0")
         return markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t)
-    steps = run_chain(base_logits, anchor, markov, hidden_post, d2t, temperature, generator)
+    steps = run_chain(base_logits, anchor, markov, hidden_post, d2t, temperature, generator, sample_top_k)
     conf = None
     if confidence is not None:
         conf = confidence(confidence.select_hidden(hidden_pre, hidden_post), steps.embeddings)
-    return Chain(steps.tokens, steps.logprobs, conf)
+    return Chain(steps.tokens, steps.logprobs, conf, steps.draft_ids, steps.draft_logprobs)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.acceptance import accept_tree
+from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
@@ -204,7 +204,10 @@ class TargetEngine:
         return Prefilled(ids, next_token, captures, s.decoder.add(next_token))
 
     def verify(self, session_id: str, tokens: list[int], parents: list[int], commit: bool = False,
-               return_logits: bool = False) -> Verified:
+               return_logits: bool = False, draft_ids: torch.Tensor | None = None,
+               draft_logprobs: torch.Tensor | None = None) -> Verified:
+        """draft_ids/draft_logprobs [N, k]: for a sampled chain, row i = the sparse distribution node i + 1 was
+        drawn from; with them a chain is accepted by rejection sampling, otherwise by sample-and-match."""
         s = self.sessions.get(session_id)
         if not s.prefilled:
             raise FailedPrecondition("prefill the session before verifying")
@@ -222,7 +225,15 @@ class TargetEngine:
         with self._compute:
             s.cache.discard()
             logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers)
-            path, next_token = accept_tree(logits, tokens, parents, s.sampling, s.generator)
+            n = len(tokens) - 1
+            if draft_ids is not None and n and not s.sampling.is_greedy and parents == list(range(-1, n)):
+                try:
+                    path, next_token = accept_chain(logits, tokens, draft_ids[:n], draft_logprobs[:n], s.sampling,
+                                                    s.generator)
+                except ValueError as e:
+                    raise InvalidArgument(f"draft distributions: {e}") from e
+            else:
+                path, next_token = accept_tree(logits, tokens, parents, s.sampling, s.generator)
         s.pending_tree = PendingTree(list(tokens), list(parents), captures)
         committed = self._commit(s, path, next_token) if commit else None
         return Verified(path, next_token, logits if return_logits else None, committed)

@@ -121,10 +121,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             m = request.verify
             if not m.HasField("tree"):
                 raise InvalidArgument("verify.tree is missing")
-            _check_tree_tensors(m.tree)
+            draft_ids, draft_logprobs = _check_tree_tensors(m.tree)
             want_logits = m.return_logits == target_pb2.LOGITS_RETURN_ALL
             t0 = time.perf_counter()
-            out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits)
+            out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits,
+                                draft_ids, draft_logprobs)
             fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
                           compute_seconds=time.perf_counter() - t0,
                           logits=to_proto(out.logits) if out.logits is not None else None)
@@ -204,14 +205,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             engine.release_owner(owner)
 
 
-def _check_tree_tensors(tree: common_pb2.TokenTree) -> None:
+def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Validates the optional tensors of a tree; returns the child distributions (ids, log-probs) if both are sent."""
     n = len(tree.tokens)
+    tensors = {}
     for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
         if tree.HasField(name):
-            t = from_proto(getattr(tree, name), f"tree.{name}")
+            t = tensors[name] = from_proto(getattr(tree, name), f"tree.{name}")
             if t.dim() == 0 or t.shape[0] != n:
                 raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; its first dimension must be the "
                                       f"number of nodes ({n})")
+    ids, lps = tensors.get("child_token_ids"), tensors.get("child_logprobs")
+    if (ids is None) != (lps is None):
+        raise InvalidArgument("send tree.child_token_ids and tree.child_logprobs together")
+    if ids is not None and (ids.shape != lps.shape or ids.dim() != 2 or ids.is_floating_point()):
+        raise InvalidArgument(f"tree.child_token_ids {list(ids.shape)} ({ids.dtype}) and tree.child_logprobs "
+                              f"{list(lps.shape)} must be [nodes, k] integer ids and log-probs")
+    return ids, lps
 
 
 class _InProcessTarget:

@@ -201,3 +201,33 @@ def test_speculation_with_a_random_drafter_is_lossless(target_address, draft_add
             assert spec.token_ids == ar.token_ids and spec.text == ar.text
             assert spec.stats.speculative_steps > 0 and spec.stats.fallback_reason == ""
             assert spec.stats.mode_run == common_pb2.DECODE_MODE_SPECULATION
+
+
+def test_sampled_chain_carries_the_distributions_it_was_drawn_from(draft, target_rows):
+    info, pre, fingerprint = target_rows
+    sid = opened(draft, fingerprint)
+    append_prompt(draft, sid, pre)
+    proposal = draft.ok(propose=draft_pb2.Propose(
+        session_id=sid, anchor_token=pre.next_token, anchor_position=len(PROMPT), proposer=draft_pb2.PROPOSER_DSPARK,
+        sampling=common_pb2.SamplingParams(temperature=0.9, seed=3)))
+    tokens = list(proposal.tree.tokens)
+    ids, lps = from_proto(proposal.tree.child_token_ids), from_proto(proposal.tree.child_logprobs)
+    assert ids.shape == lps.shape == (len(tokens), 32) and ids.dtype == torch.int32
+    for k in range(1, len(tokens)):  # row k-1: the distribution token k was drawn from
+        assert tokens[k] in ids[k - 1].tolist()
+        torch.testing.assert_close(lps[k - 1].exp().sum(), torch.tensor(1.0), rtol=0, atol=1e-4)
+    assert (ids[-1] == -1).all()  # the last node has no drafted child
+    again = draft.ok(propose=draft_pb2.Propose(
+        session_id=sid, anchor_token=pre.next_token, anchor_position=len(PROMPT), proposer=draft_pb2.PROPOSER_DSPARK,
+        sampling=common_pb2.SamplingParams(temperature=0.9, seed=3)))
+    assert list(again.tree.tokens) == tokens  # seeded
+
+
+def test_seeded_speculative_sampling_is_reproducible(target_address, draft_address):
+    kwargs = dict(messages=[{"role": "user", "content": "Tell me a fact about cats."}], max_new_tokens=24,
+                  temperature=0.8, top_p=0.9, mode="speculation", proposer="dspark", ignore_eos=True)
+    with TargetClient(target_address, drafter=draft_address) as client:
+        a = client.generate(seed=11, **kwargs)
+        b = client.generate(seed=11, **kwargs)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+        assert a.stats.speculative_steps > 0 and a.stats.fallback_reason == ""
