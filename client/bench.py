@@ -8,11 +8,8 @@ Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode an
 - tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish).
 - acceptance_length: sum(generated - 1) / sum(target steps): tokens committed per target forward, bonus
   included (the prefill's token is no decode step's).
-- per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1. Each request reports
-  accepted_d / drafted_d; drafted_d is its number of speculative steps whenever every proposal reaches depth
-  d+1 (chains of the drafter's block), so requests are weighted by `speculative_steps`. For trees or
-  budgets that vary the depth from step to step this is the speculative-step-weighted mean of the
-  per-request rates, an approximation of the pooled rate.
+- per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1, pooled over all requests from the
+  per-depth counts each request reports (GenerationStats.drafted_per_position / accepted_per_position).
 """
 
 from __future__ import annotations
@@ -192,15 +189,14 @@ def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tok
 
 
 def per_position_acceptance(stats: list) -> list[float]:
-    """Pooled accepted/drafted per depth, each request's rates weighted by its speculative steps."""
-    depth = max((len(s.per_position_acceptance) for s in stats), default=0)
-    rates = []
-    for d in range(depth):
-        rows = [(s.per_position_acceptance[d], s.speculative_steps) for s in stats
-                if d < len(s.per_position_acceptance)]
-        weight = sum(w for _, w in rows)
-        rates.append(sum(r * w for r, w in rows) / weight if weight else 0.0)
-    return rates
+    """Pooled accepted/drafted per depth over all requests."""
+    depth = max((len(s.drafted_per_position) for s in stats), default=0)
+    drafted, accepted = [0] * depth, [0] * depth
+    for s in stats:
+        for d, (n, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position, strict=True)):
+            drafted[d] += n
+            accepted[d] += a
+    return [a / n if n else 0.0 for a, n in zip(accepted, drafted, strict=True)]
 
 
 def _lossless(results: dict[str, dict[str, dict]], concurrency: list[int]) -> dict[str, bool]:

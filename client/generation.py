@@ -313,9 +313,11 @@ def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, draf
     # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
     if stats.steps:
         stats.acceptance_length = (stats.generated_tokens - 1) / stats.steps
-    del stats.per_position_acceptance[:]
-    stats.per_position_acceptance.extend(
-        (accepted[d] if d < len(accepted) else 0) / drafted[d] for d in range(len(drafted)))
+    accepted = accepted + [0] * (len(drafted) - len(accepted))
+    del stats.per_position_acceptance[:], stats.drafted_per_position[:], stats.accepted_per_position[:]
+    stats.drafted_per_position.extend(drafted)
+    stats.accepted_per_position.extend(accepted)
+    stats.per_position_acceptance.extend(a / d for a, d in zip(accepted, drafted, strict=True))
     if drafter is None:
         stats.mode_run = common_pb2.DECODE_MODE_AR
     else:

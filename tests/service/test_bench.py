@@ -91,12 +91,12 @@ def test_load_prompts_keeps_prompts_and_messages(tmp_path):
     assert len(load_prompts(ROOT / "docs" / "prompts" / "heldout.jsonl")) >= 20
 
 
-def test_per_position_acceptance_weights_requests_by_speculative_steps():
+def test_per_position_acceptance_pools_the_per_depth_counts():
     # request a: 10 speculative steps, accepted 8 at depth 1, 4 at depth 2; b: 30 steps, 6 and 0; c: AR only
-    a = SimpleNamespace(per_position_acceptance=[0.8, 0.4], speculative_steps=10)
-    b = SimpleNamespace(per_position_acceptance=[0.2, 0.0], speculative_steps=30)
-    c = SimpleNamespace(per_position_acceptance=[], speculative_steps=0)
-    assert per_position_acceptance([a, b, c]) == pytest.approx([14 / 40, 4 / 40])
+    a = SimpleNamespace(drafted_per_position=[10, 10], accepted_per_position=[8, 4])
+    b = SimpleNamespace(drafted_per_position=[30, 20, 5], accepted_per_position=[6, 0, 0])
+    c = SimpleNamespace(drafted_per_position=[], accepted_per_position=[])
+    assert per_position_acceptance([a, b, c]) == pytest.approx([14 / 40, 4 / 30, 0.0])
     assert per_position_acceptance([c]) == []
 
 

@@ -150,7 +150,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer", "drafted_per_position", "accepted_per_position")
     class AcceptedByProposerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class GenerationStats(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BY_PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -192,4 +194,6 @@ class GenerationStats(_message.Message):
     fallback_reason: str
     committed_per_step: _containers.RepeatedScalarFieldContainer[int]
     accepted_by_proposer: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
