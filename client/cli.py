@@ -49,22 +49,25 @@ def _mode_list(text: str) -> list[str]:
     return modes
 
 
-def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> None:
+def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | None = None,
+                  **prompt) -> tuple[list[int], float, float]:
+    """Generate (streaming the text, or as JSON); returns (token ids, tokens/s end to end, acceptance length)."""
     t0 = time.perf_counter()
     if args.json:
         r = client.generate(**prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, mode=mode)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                           "stats": MessageToDict(r.stats, preserving_proto_field_name=True)}, indent=2))
-        return
+        return r.token_ids, r.stats.tokens_per_second, r.stats.acceptance_length
     from dspark_grpc.protos.dspark.v1 import common_pb2
 
     stats = common_pb2.GenerationStats()
-    finish = None
-    for text, _, reason in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
-                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                         seed=args.seed, stop=args.stop, stats=stats):
+    finish, ids = None, []
+    for text, toks, reason in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
+                                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                            seed=args.seed, stop=args.stop, stats=stats, mode=mode):
         finish = reason
+        ids.extend(toks)
         sys.stdout.write(text)
         sys.stdout.flush()
     wall = time.perf_counter() - t0
@@ -77,6 +80,7 @@ def _print_result(client: TargetClient, args: argparse.Namespace, **prompt) -> N
               f"{stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s")
     if stats.fallback_reason:
         print(f"--- fallback: {stats.fallback_reason}")
+    return ids, stats.generated_tokens / wall, stats.acceptance_length
 
 
 def health_check(address: str, service: str = "", timeout: float = 5.0) -> bool:
@@ -128,10 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
     _speculation_args(b)
-    d = sub.add_parser("demo", help="start the target service on the embedded default model and chat with it")
+    d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
+                                     "with speculation, side by side")
     d.add_argument("--message", default=DEMO_MESSAGES[0]["content"])
+    d.add_argument("--drafter-checkpoint", default="none",
+                   help="what the started draft service drafts with: none = prompt lookup (no checkpoint), random = a "
+                        "random DSpark drafter, or a DSpark/DFlash checkpoint (HF directory or GGUF)")
     d.add_argument("--json", action="store_true")
     _generation_args(d)
+    _speculation_args(d)
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     h.add_argument("address", nargs="?", default=DEFAULT_TARGET)
     h.add_argument("--service", default="", help="service name; empty = the whole server")
@@ -160,14 +169,34 @@ def main(argv: list[str] | None = None) -> None:
         _bench(p, args, sys.argv if argv is None else ["dspark", *argv])
         return
 
-    print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) on a free loopback port...",
-          file=sys.stderr)
-    with local_target(["--threads", "0"]) as address, TargetClient(address) as client:
+    _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    """The main job: both services on loopback, the same request with AR and with speculation."""
+    from dspark_grpc.client.local_stack import local_drafter
+
+    print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
+          f"({args.drafter_checkpoint}) on free loopback ports...", file=sys.stderr, flush=True)
+    draft_args = (["--drafter", args.drafter_checkpoint] if args.drafter_checkpoint != "none" else []) + ["--quiet"]
+    with local_target(["--quiet"]) as target, local_drafter(draft_args) as drafter, \
+            TargetClient(target, drafter=drafter, proposal=args.proposal, budget=args.budget, kernel=args.kernel,
+                         proposer=args.proposer) as client:
         client.wait_ready(timeout=300)
-        info = client.model_info()
-        print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) SERVING at {address}\n"
-              f"user: {args.message}\nassistant: ", file=sys.stderr, flush=True)
-        _print_result(client, args, messages=[{"role": "user", "content": args.message}])
+        info, dinfo = client.model_info(), client.drafter_info()
+        print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) at {target}; "
+              f"drafter {dinfo.name} at {drafter}", file=sys.stderr)
+        messages = [{"role": "user", "content": args.message}]
+        runs = {}
+        for mode in ("ar", "speculation"):
+            print(f"\n=== {mode} ===\nuser: {args.message}\nassistant: ", flush=True)
+            runs[mode] = _print_result(client, args, mode=mode, messages=messages)
+        ar, spec = runs["ar"], runs["speculation"]
+        same = ar[0] == spec[0]
+        print(f"\n=== speculation vs AR: {spec[1] / ar[1]:.2f}x tokens/s ({spec[1]:.1f} vs {ar[1]:.1f}); "
+              f"acceptance length {spec[2]:.2f}; outputs identical: {'yes' if same else 'NO'}")
+        if not same:
+            sys.exit(1)
 
 
 def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> None:
