@@ -65,7 +65,8 @@ def _parse_prompt(item: object) -> dict:
 
 def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
               target: str | None = None, drafter: str | None = None, proposal: str = "chain", budget: int = 0,
-              kernel: str = "auto", *, proposer: str = "default", drafter_checkpoint: str | None = None,
+              kernel: str = "auto", *, proposer: str = "default", ignore_eos: bool = False,
+              drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               log: Callable[[str], None] | None = None) -> dict:
@@ -101,7 +102,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),
             "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "proposal": proposal,
             "proposer": proposer,
-            "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": False,
+            "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
@@ -121,7 +122,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         for c in concurrency:
             for mode in modes:
                 log(f"[bench] {mode} c={c}: {len(prompts)} prompts")
-                entry = _run_batch(client, prompts, mode, max_new_tokens, c, log)
+                entry = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
                 results[mode][str(c)] = entry
                 log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
                     f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
@@ -146,18 +147,19 @@ def machine_info() -> dict:
             "machine": platform.machine(), "processor": platform.processor()}
 
 
-def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int) -> GenerationResult:
-    return client.generate(**prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=False, mode=mode)
+def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int,
+             ignore_eos: bool = False) -> GenerationResult:
+    return client.generate(**prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos, mode=mode)
 
 
 def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tokens: int, c: int,
-               log: Callable[[str], None]) -> dict:
+               log: Callable[[str], None], ignore_eos: bool = False) -> dict:
     """All prompts with c requests in flight; aggregates their stats."""
     done = [0]
     lock = threading.Lock()
 
     def one(prompt: dict) -> GenerationResult:
-        r = _request(client, prompt, mode, max_new_tokens)
+        r = _request(client, prompt, mode, max_new_tokens, ignore_eos)
         with lock:
             done[0] += 1
             log(f"  [{mode} c={c}] {done[0]}/{len(prompts)}: {r.stats.generated_tokens} tokens, "

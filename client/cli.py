@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                         "prompt lookup only")
     b.add_argument("--target-model", default=None,
                    help="model for the started target service (and the started drafter's target)")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
     _speculation_args(b)
@@ -220,7 +221,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
     except (OSError, ValueError) as e:
         p.error(str(e))
     result = run_bench(prompts, args.modes, args.max_new_tokens, args.concurrency, args.target, args.drafter,
-                       args.proposal, args.budget, args.kernel, proposer=args.proposer,
+                       args.proposal, args.budget, args.kernel, proposer=args.proposer, ignore_eos=args.ignore_eos,
                        drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        command=command)

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton picks interpreter or compiler when it is first imported, and any test module may import it first: the
+# CPU test run interprets Triton kernels (there is no GPU), so say so before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
