@@ -235,3 +235,24 @@ def test_seeded_speculative_sampling_is_reproducible(target_address, draft_addre
         b = client.generate(seed=11, **kwargs)
         assert a.token_ids == b.token_ids and len(a.token_ids) == 24
         assert a.stats.speculative_steps > 0 and a.stats.fallback_reason == ""
+
+
+def test_eos_stop_strings_and_max_tokens_match_ar_when_speculating(target_address, draft_address):
+    """Steps that commit several tokens must end exactly where AR ends: at EOS, a stop string or max tokens."""
+    chat = [{"role": "user", "content": "Repeat after me: one two three, one two three, one two three."}]
+    with TargetClient(target_address, drafter=draft_address) as client:
+        full_ar = client.generate(messages=chat, max_new_tokens=120, mode="ar")
+        assert full_ar.finish_reason == "eos"
+        text = full_ar.text
+        cases = [dict(max_new_tokens=120), dict(max_new_tokens=5), dict(max_new_tokens=11),
+                 dict(max_new_tokens=120, stop=[text[len(text) // 2: len(text) // 2 + 4]]),
+                 dict(max_new_tokens=120, stop=["zzz-never", text[-6:-2]])]
+        for kwargs in cases:
+            ar = client.generate(messages=chat, mode="ar", **kwargs)
+            for proposer in ("ngram", "hybrid"):
+                spec = client.generate(messages=chat, mode="speculation", proposer=proposer, proposal="tree", **kwargs)
+                assert (spec.text, spec.token_ids, spec.finish_reason) == (ar.text, ar.token_ids, ar.finish_reason)
+                assert spec.stats.generated_tokens == len(spec.token_ids)
+        # this prompt repeats itself, so multi-token steps really happened
+        spec = client.generate(messages=chat, mode="speculation", proposer="ngram", max_new_tokens=120)
+        assert max(spec.stats.committed_per_step) > 1
