@@ -10,10 +10,10 @@ import torch
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
+from dspark_grpc.runtime.serving import add_serve_arguments, serve
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,21 +32,13 @@ def parser() -> argparse.ArgumentParser:
                    help="the target checkpoint the drafter belongs to (its embedding/lm_head and fingerprint); "
                         "default: the embedded SmolLM2-135M-Instruct GGUF")
     s.add_argument("--seed", type=int, default=0, help="seed of --drafter random")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50052, help="0 picks a free port (printed at start-up)")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    s.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    s.add_argument("--max-sessions", type=int, default=16)
-    s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     s.add_argument("--max-tree-budget", type=int, default=64)
     s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix prompt lookup matches")
     s.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
     s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
-    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
-    s.add_argument("--quiet", action="store_true", help="no load progress")
+    add_serve_arguments(s, default_port=50052)
     return p
 
 
@@ -61,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
                          default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
     def load() -> None:
-        servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=DTYPES[args.dtype], limits=limits,
-                                           progress=not args.quiet, seed=args.seed)
+        servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=getattr(torch, args.dtype),
+                                           limits=limits, progress=not args.quiet, seed=args.seed)
 
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),

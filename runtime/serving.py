@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -18,6 +19,20 @@ from grpc_reflection.v1alpha import reflection
 log = logging.getLogger("dspark.serving")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prefill capture of a few thousand rows fits
+DTYPES = ("float32", "bfloat16")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+    """The flags both `serve` commands share."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port (printed at start-up)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
+    p.add_argument("--quiet", action="store_true", help="no load progress")
 
 
 def status_code(code: int) -> grpc.StatusCode:

