@@ -29,6 +29,22 @@ from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
 
 DRAFTER_MODES = ("speculation", "adaptive")
+OVERRIDES = ("proposal", "proposer", "kernel", "budget")
+
+
+def parse_mode(name: str) -> tuple[str, dict]:
+    """'speculation/proposal=tree/proposer=ngram' -> ('speculation', {'proposal': 'tree', 'proposer': 'ngram'}):
+    one bench run can compare several speculation settings against one AR pass."""
+    mode, *options = name.split("/")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    overrides = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in OVERRIDES or not value:
+            raise ValueError(f"{name!r}: options are /key=value with key in {OVERRIDES}")
+        overrides[key] = int(value) if key == "budget" else value
+    return mode, overrides
 
 
 def load_prompts(path: str | Path) -> list[dict]:
@@ -77,7 +93,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     _check_args(prompts, modes, max_new_tokens, concurrency)
-    needs_drafter = any(m in DRAFTER_MODES for m in modes)
+    needs_drafter = any(parse_mode(m)[0] in DRAFTER_MODES for m in modes)
     sessions = str(max(16, 2 * max(concurrency)))
     started = []
     with ExitStack() as stack:
@@ -134,8 +150,10 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
 def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int]) -> None:
     if not prompts:
         raise ValueError("no prompts")
-    if not modes or len(set(modes)) != len(modes) or any(m not in MODES for m in modes):
-        raise ValueError(f"modes must be distinct names from {MODES}, got {modes}")
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"modes must be distinct, got {modes}")
+    for m in modes:
+        parse_mode(m)
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if not concurrency or any(c <= 0 for c in concurrency):
@@ -149,7 +167,9 @@ def machine_info() -> dict:
 
 def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int,
              ignore_eos: bool = False) -> GenerationResult:
-    return client.generate(**prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos, mode=mode)
+    name, overrides = parse_mode(mode)
+    return client.generate(**prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos, mode=name,
+                           **overrides)
 
 
 def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tokens: int, c: int,

@@ -43,8 +43,15 @@ def _int_list(text: str) -> list[int]:
 
 
 def _mode_list(text: str) -> list[str]:
+    from dspark_grpc.client.bench import parse_mode
+
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+    try:
+        for m in modes:
+            parse_mode(m)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not modes or len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"expected distinct modes from {','.join(MODES)}, got {text!r}")
     return modes
 
@@ -118,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                                    "services are started on free loopback ports and stopped at the end.")
     b.add_argument("--prompts", required=True, help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line')
     b.add_argument("--max-new-tokens", type=int, required=True)
-    b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"], help="comma-separated")
+    b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
+                   help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
+                        "speculation/proposal=tree/proposer=ngram/kernel=torch/budget=16")
     b.add_argument("--concurrency", type=_int_list, default=[1], help="comma-separated requests in flight")
     b.add_argument("--json", dest="json_out", required=True, help="write the result JSON here")
     b.add_argument("--plot", default=None, help="write a PNG (tok/s vs concurrency, per-position acceptance)")

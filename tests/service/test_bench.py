@@ -21,10 +21,23 @@ def dspark(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+TREE = "speculation/proposal=tree/proposer=ngram"
+
+
+def test_parse_mode():
+    from dspark_grpc.client.bench import parse_mode
+
+    assert parse_mode("ar") == ("ar", {})
+    assert parse_mode(TREE + "/budget=8") == ("speculation", {"proposal": "tree", "proposer": "ngram", "budget": 8})
+    for bad in ("fast", "speculation/colour=red", "speculation/proposal="):
+        with pytest.raises(ValueError):
+            parse_mode(bad)
+
+
 @pytest.mark.slow
 def test_bench_ar_vs_speculation(tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    args = ["bench", "--prompts", str(SMOKE), "--max-new-tokens", "16", "--modes", "ar,speculation",
+    args = ["bench", "--prompts", str(SMOKE), "--max-new-tokens", "16", "--modes", f"ar,speculation,{TREE}",
             "--concurrency", "1,2", "--json", str(out), "--plot", str(plot)]
     run = dspark(*args, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -34,12 +47,12 @@ def test_bench_ar_vs_speculation(tmp_path):
     assert result["command"][-len(args):] == args
     assert {"cpu_count", "python", "platform"} <= set(result["machine"])
     config = result["config"]
-    assert config["modes"] == ["ar", "speculation"] and config["concurrency"] == [1, 2]
+    assert config["modes"] == ["ar", "speculation", TREE] and config["concurrency"] == [1, 2]
     assert config["max_new_tokens"] == 16 and config["num_prompts"] == len(load_prompts(SMOKE)) == 3
     assert config["started_services"] == ["target", "draft"]
 
     results = result["results"]
-    assert set(results) == {"ar", "speculation"}
+    assert set(results) == {"ar", "speculation", TREE}
     for mode, by_c in results.items():
         assert set(by_c) == {"1", "2"}
         for entry in by_c.values():
@@ -54,8 +67,9 @@ def test_bench_ar_vs_speculation(tmp_path):
         assert ar["per_position_acceptance"] == [] and ar["speculative_steps"] == 0
         assert spec["speculative_steps"] > 0 and spec["per_position_acceptance"]
         assert spec["fallbacks"] == []
+        assert results[TREE][c]["outputs"] == ar["outputs"]
     assert results["ar"]["1"]["outputs"] == results["ar"]["2"]["outputs"]
-    assert result["lossless"] == {"ar": True, "speculation": True}
+    assert result["lossless"] == {"ar": True, "speculation": True, TREE: True}
 
     assert "speculation" in run.stdout and "vs AR" in run.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
