@@ -1,0 +1,154 @@
+"""Cost tables: monotone by construction, interpolation/extrapolation, EMA correction, JSON, the disk cache,
+and the target/drafter profilers on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from dspark_grpc.runtime.cost_table import (
+    CostKey,
+    CostTable,
+    load_or_profile,
+    profile_drafter,
+    profile_target,
+    target_key,
+)
+
+KEY = CostKey(kind="verify", model="m" * 64, dtype="float32", threads=2, device="cpu test", context=128)
+
+
+def _nondecreasing(values: list[float]) -> bool:
+    return all(a <= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_noisy_medians_are_forced_monotone():
+    t = CostTable(KEY, [1, 2, 4, 8, 16], [1.0, 0.9, 1.2, 1.1, 2.0])
+    assert t.seconds == [1.0, 1.0, 1.2, 1.2, 2.0]
+    assert t.measured == [1.0, 0.9, 1.2, 1.1, 2.0]
+    assert _nondecreasing([t.predict(s / 4) for s in range(0, 200)])
+
+
+@pytest.mark.parametrize("sizes, seconds", [([1, 2], [1.0]), ([2, 1], [1.0, 2.0]), ([0, 1], [1.0, 2.0]),
+                                            ([1, 2], [1.0, float("nan")]), ([], [])])
+def test_bad_tables_are_refused(sizes, seconds):
+    with pytest.raises(ValueError):
+        CostTable(KEY, sizes, seconds)
+
+
+def test_interpolation_and_extrapolation():
+    t = CostTable(KEY, [1, 2, 4, 8], [1.0, 2.0, 2.0, 4.0])
+    assert t.predict(1) == 1.0 and t.predict(8) == 4.0
+    assert t.predict(0.5) == 1.0  # flat below the first size
+    assert t.predict(3) == pytest.approx(2.0)
+    assert t.predict(6) == pytest.approx(3.0)
+    assert t.predict(16) == pytest.approx(8.0)  # the last segment's slope: 0.5 s per row
+    single = CostTable(KEY, [1], [0.25])
+    assert single.predict(1) == single.predict(64) == 0.25
+
+
+def test_ema_correction():
+    t = CostTable(KEY, [1, 4, 16], [1.0, 2.0, 4.0], alpha=0.5)
+    t.observe(4, 4.0)  # measured twice the profile: ratio 2, EMA from the prior 1 -> 1.5
+    assert t.ratio(4) == pytest.approx(1.5)
+    assert t.predict(4) == pytest.approx(3.0)
+    assert t.profiled(4) == 2.0
+    t.observe(4, 4.0)
+    assert t.ratio(4) == pytest.approx(1.75)
+    # one observed size corrects every size (nearest observation), and predictions stay monotone
+    assert t.predict(1) == pytest.approx(1.75) and t.predict(16) == pytest.approx(7.0)
+    t.observe(16, 2.0)  # half the profile at 16: ratio 0.5 -> EMA 0.75
+    assert t.ratio(16) == pytest.approx(0.75)
+    assert t.ratio(10) == pytest.approx((1.75 + 0.75) / 2)  # interpolated between observed sizes
+    assert _nondecreasing([t.predict(s) for s in range(1, 40)])
+    t.observe(1, 1000.0)  # clamped to 4x
+    assert t.ratio(1) == pytest.approx(0.5 + 0.5 * 4.0)
+    t.reset_corrections()
+    assert t.predict(4) == 2.0
+
+
+def test_json_round_trip(tmp_path):
+    t = CostTable(KEY, [1, 2, 4], [1e-3, 0.9e-3, 2e-3])
+    t.observe(2, 1.5e-3)
+    path = tmp_path / "t.json"
+    t.save(path)
+    back = CostTable.load(path)
+    assert back == t
+    assert back.predict(3) == t.predict(3)
+    assert back.measured == [1e-3, 0.9e-3, 2e-3] and back.seconds == [1e-3, 1e-3, 2e-3]
+    assert json.loads(path.read_text())["key"]["threads"] == 2
+
+
+def test_cache_reloads_on_second_start_and_reprofiles_on_another_key(tmp_path):
+    calls = []
+
+    def profiler(key):
+        def run():
+            calls.append(key)
+            return CostTable(key, [1, 2], [1.0, 2.0 + len(calls)])
+        return run
+
+    first = load_or_profile(tmp_path, KEY, profiler(KEY))
+    second = load_or_profile(tmp_path, KEY, profiler(KEY))  # "second start": read from disk
+    assert len(calls) == 1 and second == first
+    other = CostKey(**{**KEY.__dict__, "threads": 4})
+    third = load_or_profile(tmp_path, other, profiler(other))
+    assert len(calls) == 2 and third.key == other and third.seconds != first.seconds
+    assert load_or_profile(tmp_path, KEY, profiler(KEY)) == first and len(calls) == 2
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    # a damaged file is profiled again and overwritten
+    (tmp_path / KEY.file_name()).write_text("{not json")
+    load_or_profile(tmp_path, KEY, profiler(KEY))
+    assert len(calls) == 3
+    assert load_or_profile(tmp_path, KEY, profiler(KEY)).key == KEY and len(calls) == 3
+    # no directory: always profile
+    load_or_profile(None, KEY, profiler(KEY))
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="not for"):
+        load_or_profile(tmp_path / "x", KEY, profiler(other))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    import torch
+    from dspark_grpc.runtime.config import ModelConfig
+    from dspark_grpc.runtime.transformer import Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig(architecture="llama", name="tiny", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    return Transformer(config).eval()
+
+
+def test_profile_target_on_a_tiny_model(tiny_model, tmp_path):
+    t0 = time.perf_counter()
+    table = profile_target(tiny_model, sizes=(2, 4, 8), repeats=2, context=16)
+    assert time.perf_counter() - t0 < 5
+    assert table.sizes == [1, 2, 4, 8]  # the AR step (size 1) is always measured
+    assert _nondecreasing(table.seconds) and all(s > 0 for s in table.seconds)
+    key = table.key
+    assert key == target_key(tiny_model, context=16)
+    assert key.kind == "verify" and key.lanes == 1 and key.dtype == "float32" and key.device.startswith("cpu")
+    assert key.model == tiny_model.config.fingerprint()
+
+    calls = []
+
+    def profile():
+        calls.append(1)
+        return profile_target(tiny_model, sizes=(2,), repeats=1, context=16)
+
+    loaded = [load_or_profile(tmp_path, key, profile) for _ in range(2)]
+    assert len(calls) == 1 and loaded[0] == loaded[1]
+
+
+def test_profile_drafter_times_any_proposer():
+    budgets = []
+    key = CostKey(kind="draft", model="m", drafter="ngram", device="cpu")
+    table = profile_drafter(budgets.append, key, sizes=(4, 1, 2), repeats=3)
+    assert table.sizes == [1, 2, 4] and table.key == key
+    assert budgets == [1, 2, 4] * 4  # one warm-up round, then three timed rounds
+    with pytest.raises(ValueError, match="draft"):
+        profile_drafter(budgets.append, KEY)
