@@ -183,14 +183,20 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
     if drafter is not None:
         open_op.capture_layer_ids.extend(speculation.info.target_layer_ids)
         open_op.drafter_target.CopyFrom(speculation.info.target)
-    opened = call(open=open_op).opened
+    try:
+        opened = call(open=open_op).opened
+    except RequestError as e:
+        if drafter is None or e.code != 9:  # FAILED_PRECONDITION: the target refused this drafter
+            raise
+        drafter.failure = f"the target refused the drafter ({e.message}); target-only"
+        opened = call(open=target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION)).opened
     sid = opened.session_id
     stop = StopStrings(list(config.stop))
     drafted: list[int] = []  # per depth: steps that drafted a token at that depth
     accepted: list[int] = []  # per depth: steps whose accepted path reached that depth
     t0 = time.perf_counter()
     try:
-        if drafter is not None:
+        if drafter is not None and drafter.active:
             drafter.open(opened.fingerprint)
         pre = call(prefill=target_pb2.Prefill(session_id=sid, prompt=prompt, sampling=config.sampling)).prefilled
         t_prefill = time.perf_counter()

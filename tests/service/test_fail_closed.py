@@ -97,3 +97,20 @@ def test_generate_rpc_speculates_server_side(spec_target_address):
         for (mode, _), (ids, text, stats) in runs.items():
             assert (ids, text) == ar[:2]
             assert stats.mode_run == mode and stats.fallback_reason == ""
+
+
+def test_drafter_for_another_target_is_refused_and_the_request_goes_on(target_address, tiny_hf_models,
+                                                                       smollm2_path):
+    from dspark_grpc.runtime.tokenizer import TextTokenizer
+
+    other = tiny_hf_models["qwen3"]
+    TextTokenizer.from_gguf(smollm2_path).save(other)  # same tokenizer, another model
+    with TargetClient(target_address) as ar_client:
+        reference = ar_client.generate(messages=MESSAGES, max_new_tokens=16, mode="ar")
+    with local_drafter(["--target-model", str(other), "--quiet"], echo=False) as drafter:
+        with TargetClient(target_address, drafter=drafter) as client:
+            client.wait_ready(120)
+            result = client.generate(messages=MESSAGES, max_new_tokens=16, mode="speculation")
+    assert result.token_ids == reference.token_ids
+    assert "refused the drafter" in result.stats.fallback_reason and "another target" in result.stats.fallback_reason
+    assert result.stats.speculative_steps == 0
