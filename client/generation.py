@@ -86,6 +86,52 @@ class DraftOps(Protocol):
              ) -> draft_pb2.DraftSessionResponse: ...
 
 
+class AdaptiveGate:
+    """Speculate only while it pays, from online measurements of this request: seconds per AR step vs seconds
+    and committed tokens per speculative step (draft + verify). Until both are measured it tries each once;
+    after speculation stops paying it re-probes every `probe_every` AR steps, since text that repeats itself
+    (or a drafter that warms up) can change the answer. A placeholder for the profiled cost tables and
+    confidence-based planning of the scheduling issue."""
+
+    def __init__(self, alpha: float = 0.3, margin: float = 1.05, probe_every: int = 16) -> None:
+        self.alpha, self.margin, self.probe_every = alpha, margin, probe_every
+        self.ar_time: float | None = None
+        self.spec_time: float | None = None
+        self.spec_tokens: float | None = None
+        self.since_probe = 0
+        self.speculating = True
+        self.switches: list[str] = []
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def want_draft(self) -> bool:
+        if self.spec_time is None:
+            return True
+        if self.ar_time is None:
+            return False
+        if self.speculating:
+            return True
+        self.since_probe += 1
+        return self.since_probe >= self.probe_every
+
+    def observe(self, drafted: bool, seconds: float, committed: int, step: int) -> None:
+        if drafted:
+            self.spec_time = self._ema(self.spec_time, seconds)
+            self.spec_tokens = self._ema(self.spec_tokens, committed)
+            self.since_probe = 0
+        else:
+            self.ar_time = self._ema(self.ar_time, seconds)
+        if self.spec_time is None or self.ar_time is None:
+            return
+        pays = self.spec_tokens / self.spec_time > self.margin / self.ar_time
+        if pays != self.speculating:
+            self.speculating = pays
+            rate = self.spec_tokens / self.spec_time * self.ar_time
+            self.switches.append(f"step {step}: {'speculation' if pays else 'AR'} ({rate:.2f} tokens per AR-step "
+                                 "time when drafting)")
+
+
 @dataclass
 class SpeculationConfig:
     drafter: DraftOps
@@ -94,6 +140,7 @@ class SpeculationConfig:
     budget: int = 0  # 0 = the drafter's default (its whole block for a chain)
     kernel: int = draft_pb2.KERNEL_CHOICE_UNSPECIFIED
     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED  # the drafter's default
+    adaptive: bool = False  # draft only while it pays (AdaptiveGate)
     timeout_s: float = 10.0  # per drafter call; slower means the drafter is treated as failed
 
 
@@ -179,6 +226,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
         return checked(target.call(target_pb2.TargetSessionRequest(request_id=next(ids), **op)))
 
     drafter = Speculator(speculation) if speculation is not None else None
+    gate = AdaptiveGate() if speculation is not None and speculation.adaptive else None
     open_op = target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION)
     if drafter is not None:
         open_op.capture_layer_ids.extend(speculation.info.target_layer_ids)
@@ -227,15 +275,15 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             if delta.finish_reason and delta.finish_reason != common_pb2.FINISH_REASON_STOP_STRING:
                 delta.text += stop.flush()
             if delta.finish_reason:
-                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, drafter)
+                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, drafter, gate)
                 yield delta
                 return
             yield delta
 
             pending = emitted[-1]
             tree, proposers = None, []
-            if drafter is not None and drafter.active:
-                t_draft = time.perf_counter()
+            t_draft = time.perf_counter()
+            if drafter is not None and drafter.active and (gate is None or gate.want_draft()):
                 proposal = drafter.propose(pending, length, config.sampling)
                 wall = time.perf_counter() - t_draft
                 stats.draft_seconds += wall
@@ -253,6 +301,8 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             stats.steps += 1
             stats.committed_per_step.append(len(verified.accepted_path))
             depth = _depth(tree.parents)
+            if gate is not None:
+                gate.observe(depth > 0, time.perf_counter() - t_draft, len(verified.accepted_path), stats.steps)
             if depth:
                 stats.speculative_steps += 1
                 _count(drafted, depth)
@@ -314,7 +364,7 @@ def _count(counts: list[int], depth: int) -> None:
 
 
 def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
-                  accepted: list[int], drafter: Speculator | None) -> None:
+                  accepted: list[int], drafter: Speculator | None, gate: AdaptiveGate | None) -> None:
     stats.decode_seconds = decode_seconds
     # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
     if stats.steps:
@@ -328,7 +378,10 @@ def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, draf
         stats.mode_run = common_pb2.DECODE_MODE_AR
     else:
         stats.mode_run = common_pb2.DECODE_MODE_SPECULATION if stats.speculative_steps else common_pb2.DECODE_MODE_AR
-        stats.fallback_reason = drafter.failure or ""
+        reasons = [drafter.failure] if drafter.failure else []
+        if gate is not None and gate.switches:
+            reasons.append("adaptive: " + "; ".join(gate.switches))
+        stats.fallback_reason = "; ".join(reasons)
     total = stats.prefill_seconds + decode_seconds
     if total > 0:
         stats.tokens_per_second = stats.generated_tokens / total

@@ -90,9 +90,10 @@ def make_channel(address: str) -> grpc.Channel:
 class TargetClient:
     """Generate text with a dspark target service, speculating with a dspark draft service when given one.
 
-    mode: "ar" (target only), "speculation" (draft every step), "adaptive" (the default: speculate when a
-    drafter is configured). Any drafter failure finishes the request target-only with the same tokens and
-    the reason in `stats.fallback_reason`. `timeout` is the deadline of each request, in seconds.
+    mode: "ar" (target only), "speculation" (draft every step), "adaptive" (the default: draft while it pays,
+    measured online per request; target-only without a drafter). Any drafter failure finishes the request
+    target-only with the same tokens and the reason in `stats.fallback_reason`. `timeout` is the deadline of each
+    request, in seconds.
     """
 
     def __init__(self, address: str = DEFAULT_TARGET, *, drafter: str | None = None, mode: str = "adaptive",
@@ -166,7 +167,8 @@ class TargetClient:
             else:
                 speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
                                                KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats,
-                                               PROPOSERS[options["proposer"]])
+                                               PROPOSERS[options["proposer"]],
+                                               adaptive=options["mode"] == "adaptive")
                 if speculation is not None:
                     streams.append(speculation.drafter)
         try:
@@ -190,7 +192,8 @@ class TargetClient:
 
 def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, budget: int, kernel: int,
                      stream_timeout: float | None, draft_timeout: float, stats: common_pb2.GenerationStats,
-                     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED) -> SpeculationConfig | None:
+                     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED, adaptive: bool = False
+                     ) -> SpeculationConfig | None:
     """Ask the drafter who it is and open a draft stream; None (and the reason in stats) if it is unavailable."""
     try:
         info = draft_stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=draft_timeout)
@@ -198,7 +201,8 @@ def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, bud
         stats.fallback_reason = f"drafter unavailable ({e.code().name}: {e.details()}); target-only"
         return None
     return SpeculationConfig(drafter=SessionStream(draft_stub.DraftSession, stream_timeout), info=info, kind=kind,
-                             budget=budget, kernel=kernel, proposer=proposer, timeout_s=draft_timeout)
+                             budget=budget, kernel=kernel, proposer=proposer, adaptive=adaptive,
+                             timeout_s=draft_timeout)
 
 
 def _check_options(mode: str, proposal: str, budget: int, kernel: str, proposer: str) -> None:

@@ -174,7 +174,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 kind = request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
                 speculation = await loop.run_in_executor(
                     self.executor, open_speculation, self.draft_stub, kind, request.budget, request.kernel,
-                    context.time_remaining(), self.draft_timeout, stats, request.proposer)
+                    context.time_remaining(), self.draft_timeout, stats, request.proposer,
+                    adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE)
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
         step = None

@@ -114,3 +114,15 @@ def test_drafter_for_another_target_is_refused_and_the_request_goes_on(target_ad
     assert result.token_ids == reference.token_ids
     assert "refused the drafter" in result.stats.fallback_reason and "another target" in result.stats.fallback_reason
     assert result.stats.speculative_steps == 0
+
+
+def test_adaptive_mode_stops_drafting_when_it_does_not_pay(target_address, draft_address):
+    """A random DSpark drafter never gets a token accepted: adaptive decoding must settle on AR quickly."""
+    with TargetClient(target_address, drafter=draft_address) as client:
+        ar = client.generate(messages=MESSAGES, max_new_tokens=64, ignore_eos=True, mode="ar")
+        adaptive = client.generate(messages=MESSAGES, max_new_tokens=64, ignore_eos=True, mode="adaptive",
+                                   proposer="dspark")
+    assert adaptive.token_ids == ar.token_ids
+    s = adaptive.stats
+    assert 0 < s.speculative_steps <= 8 and s.ar_steps >= 50  # a first try, then rare re-probes
+    assert "adaptive" in s.fallback_reason and "AR" in s.fallback_reason
