@@ -72,6 +72,8 @@ class CostTable:
     ratio_bounds: tuple[float, float] = (0.25, 4.0)
     # size -> (EMA of measured/profiled, observations); the online correction
     corrections: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # how it was made (repeats, warm-up, wall seconds, unix time); informational
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
     _curve: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +142,7 @@ class CostTable:
             "alpha": self.alpha,
             "ratio_bounds": list(self.ratio_bounds),
             "corrections": {str(k): [r, n] for k, (r, n) in sorted(self.corrections.items())},
+            "info": dict(self.info),
         }
 
     @classmethod
@@ -154,6 +157,7 @@ class CostTable:
             alpha=float(d.get("alpha", 0.2)),
             ratio_bounds=tuple(d.get("ratio_bounds", (0.25, 4.0))),
             corrections={int(k): (v[0], v[1]) for k, v in d.get("corrections", {}).items()},
+            info=dict(d.get("info", {})),
         )
 
     def save(self, path: str | Path) -> None:
@@ -284,13 +288,19 @@ def draft_key(model_fingerprint: str, drafter: str, dtype: str, device: torch.de
 
 
 def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
-               sync: Callable[[], None] = lambda: None, warmup: int = 1) -> list[float]:
-    """Median seconds of `run(size)` per size. Sizes are interleaved round by round (a slow drift of the
-    machine then spreads over every size instead of biasing the last ones); `warmup` untimed rounds first."""
+               sync: Callable[[], None] = lambda: None, warmup: int = 1,
+               max_seconds: float | None = None) -> tuple[list[float], dict[str, Any]]:
+    """Median seconds of `run(size)` per size, and what was done. Sizes are interleaved round by round (a slow
+    drift of the machine then spreads over every size instead of biasing the last ones); `warmup` untimed
+    rounds first. Past `max_seconds` no new round starts (at least one timed round always runs)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     times: dict[int, list[float]] = {s: [] for s in sizes}
+    t_start = time.perf_counter()
+    rounds = 0
     for round_ in range(warmup + repeats):
+        if rounds and max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+            break
         for s in sizes:
             sync()
             t0 = time.perf_counter()
@@ -298,7 +308,10 @@ def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
             sync()
             if round_ >= warmup:
                 times[s].append(time.perf_counter() - t0)
-    return [statistics.median(times[s]) for s in sizes]
+        rounds += round_ >= warmup
+    info = {"repeats": rounds, "warmup": warmup, "wall_seconds": round(time.perf_counter() - t_start, 3),
+            "created": round(time.time())}
+    return [statistics.median(times[s]) for s in sizes], info
 
 
 def _check_sizes(sizes: Sequence[int]) -> list[int]:
@@ -309,7 +322,7 @@ def _check_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, context: int = 128,
-                   seed: int = 0) -> CostTable:
+                   seed: int = 0, max_seconds: float | None = None) -> CostTable:
     """Time verify_tree over a chain of `size` rows on top of `context` committed rows (random tokens, one
     fresh cache): the median of `repeats` per size after one warm-up round. Size 1 (a plain AR step: one root,
     no draft) is always measured. Rows verified are what the forward's cost depends on, so a tree of N nodes
@@ -335,16 +348,18 @@ def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, rep
         logits.argmax(-1).tolist()  # what the engine does next; also waits for the device
         cache.discard()
 
-    seconds = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device))
-    return CostTable(target_key(model, context), sizes, seconds)
+    seconds, info = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device), max_seconds=max_seconds)
+    return CostTable(target_key(model, context), sizes, seconds, info=info)
 
 
 def profile_drafter(propose: Callable[[int], object], key: CostKey, sizes: Sequence[int] = DEFAULT_SIZES,
-                    repeats: int = 5, sync: Callable[[], None] = lambda: None) -> CostTable:
+                    repeats: int = 5, sync: Callable[[], None] = lambda: None,
+                    max_seconds: float | None = None) -> CostTable:
     """Time `propose(budget)` (one proposal of that budget/block size, any proposer, returning once its result
     is on the host) per size: the median of `repeats` after one warm-up round. The caller sets the session
     up (context rows appended) and says in `key` what was timed."""
     if key.kind != "draft":
         raise ValueError(f"a drafter table needs a key of kind 'draft', got {key.kind!r}")
     sizes = _check_sizes(sizes)
-    return CostTable(key, sizes, time_sizes(propose, sizes, repeats, sync=sync))
+    seconds, info = time_sizes(propose, sizes, repeats, sync=sync, max_seconds=max_seconds)
+    return CostTable(key, sizes, seconds, info=info)

@@ -69,7 +69,7 @@ def test_ema_correction():
 
 
 def test_json_round_trip(tmp_path):
-    t = CostTable(KEY, [1, 2, 4], [1e-3, 0.9e-3, 2e-3])
+    t = CostTable(KEY, [1, 2, 4], [1e-3, 0.9e-3, 2e-3], info={"repeats": 5})
     t.observe(2, 1.5e-3)
     path = tmp_path / "t.json"
     t.save(path)
@@ -77,7 +77,8 @@ def test_json_round_trip(tmp_path):
     assert back == t
     assert back.predict(3) == t.predict(3)
     assert back.measured == [1e-3, 0.9e-3, 2e-3] and back.seconds == [1e-3, 1e-3, 2e-3]
-    assert json.loads(path.read_text())["key"]["threads"] == 2
+    assert back.corrections == t.corrections and back.corrections[2][1] == 1
+    assert json.loads(path.read_text())["key"]["threads"] == 2 and back.info == {"repeats": 5}
 
 
 def test_cache_reloads_on_second_start_and_reprofiles_on_another_key(tmp_path):
@@ -150,5 +151,9 @@ def test_profile_drafter_times_any_proposer():
     table = profile_drafter(budgets.append, key, sizes=(4, 1, 2), repeats=3)
     assert table.sizes == [1, 2, 4] and table.key == key
     assert budgets == [1, 2, 4] * 4  # one warm-up round, then three timed rounds
+    assert table.info["repeats"] == 3 and table.info["warmup"] == 1
+    budgets.clear()
+    quick = profile_drafter(budgets.append, key, sizes=(1, 2), repeats=5, max_seconds=0.0)
+    assert budgets == [1, 2] * 2 and quick.info["repeats"] == 1  # out of time: warm-up and one timed round
     with pytest.raises(ValueError, match="draft"):
         profile_drafter(budgets.append, KEY)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import urllib.request
 
@@ -111,3 +112,10 @@ def test_sdk_works_without_prometheus_client(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ImportError, match="pip install prometheus-client"):
         SpecDecodeMetrics()
+
+
+def test_metrics_module_is_torch_free():
+    code = ("import sys, dspark_grpc.client.metrics; "
+            "print(sorted(m for m in ('torch', 'numpy', 'prometheus_client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
