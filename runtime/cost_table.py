@@ -26,6 +26,7 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class CostTable:
     # how it was made (repeats, warm-up, wall seconds, unix time); informational
     info: dict[str, Any] = field(default_factory=dict, compare=False)
     _curve: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.sizes = [int(s) for s in self.sizes]
@@ -100,6 +102,10 @@ class CostTable:
     def ratio(self, size: float) -> float:
         """The online correction at `size`: the EMA of the nearest observed sizes (interpolated between them),
         1.0 before any observation."""
+        with self._lock:
+            return self._ratio(size)
+
+    def _ratio(self, size: float) -> float:
         if not self.corrections:
             return 1.0
         observed = sorted(self.corrections)
@@ -107,12 +113,13 @@ class CostTable:
 
     def predict(self, size: float) -> float:
         """Seconds for a forward of `size`: the profile times the correction, still non-decreasing in size."""
-        if not self.corrections:
-            return self.profiled(size)
-        if self._curve is None:
-            points = sorted(set(self.sizes) | set(self.corrections))
-            self._curve = points, _running_max([self.profiled(s) * self.ratio(s) for s in points])
-        return _interpolate(*self._curve, size)
+        with self._lock:
+            if not self.corrections:
+                return self.profiled(size)
+            if self._curve is None:
+                points = sorted(set(self.sizes) | set(self.corrections))
+                self._curve = points, _running_max([self.profiled(s) * self._ratio(s) for s in points])
+            return _interpolate(*self._curve, size)
 
     def observe(self, size: int, seconds: float) -> None:
         """Fold one measured forward of `size` into the per-size EMA of measured/profiled."""
@@ -122,13 +129,15 @@ class CostTable:
             return
         lo, hi = self.ratio_bounds
         r = min(max(seconds / base, lo), hi)
-        ema, n = self.corrections.get(size, (1.0, 0))
-        self.corrections[size] = ((1.0 - self.alpha) * ema + self.alpha * r, n + 1)
-        self._curve = None
+        with self._lock:
+            ema, n = self.corrections.get(size, (1.0, 0))
+            self.corrections[size] = ((1.0 - self.alpha) * ema + self.alpha * r, n + 1)
+            self._curve = None
 
     def reset_corrections(self) -> None:
-        self.corrections.clear()
-        self._curve = None
+        with self._lock:
+            self.corrections.clear()
+            self._curve = None
 
     # -- JSON ---------------------------------------------------------------------------------------
 
@@ -141,7 +150,7 @@ class CostTable:
             "measured": list(self.measured or self.seconds),
             "alpha": self.alpha,
             "ratio_bounds": list(self.ratio_bounds),
-            "corrections": {str(k): [r, n] for k, (r, n) in sorted(self.corrections.items())},
+            "corrections": {str(k): [r, n] for k, (r, n) in sorted(dict(self.corrections).items())},
             "info": dict(self.info),
         }
 
