@@ -1,0 +1,156 @@
+"""Prompts (truncated ShareGPT JSON, splits, order), packed generation, feature extraction and the shard cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.train import data
+from dspark_grpc.runtime.train.data import (
+    FeatureCache,
+    GenerationSettings,
+    Prompt,
+    code_prompts,
+    extract_features,
+    generate_batch,
+    is_heldout,
+    iter_json_array,
+    read_sharegpt,
+    shuffle_prompts,
+    split_prompts,
+)
+
+from .conftest import EOS, LAYER_IDS, Tiny, prompts
+
+
+def conversation(cid: str, first: str, text: str) -> dict:
+    return {"id": cid, "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "reply {x}"}]}
+
+
+def write_truncated(path: Path) -> Path:
+    good = [conversation("a_0", "human", "first question"), conversation("b_0", "gpt", "no human turn"),
+            conversation("c_1", "human", "  third  "), conversation("d_0", "human", "")]
+    body = ",\n".join(json.dumps(c, indent=2) for c in good)
+    broken = '{"id": "bad_0", "conversations": [{"from": "human", "value": "unterminated}]},\n'
+    after = json.dumps(conversation("e_0", "human", "after the broken one"), indent=2)
+    tail = json.dumps(conversation("f_0", "human", "cut off"), indent=2)[:40]
+    path.write_text("[\n" + body + ",\n" + broken + after + ",\n" + tail, encoding="utf-8")
+    return path
+
+
+def test_sharegpt_reader_skips_malformed_objects_and_the_truncated_tail(tmp_path: Path):
+    path = write_truncated(tmp_path / "sharegpt.json")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())
+    got = read_sharegpt(path)
+    assert [(p.id, p.text) for p in got] == [("a_0", "first question"), ("c_1", "third"),
+                                             ("e_0", "after the broken one")]
+    assert {p.source for p in got} == {"sharegpt"}
+    assert list(iter_json_array("[1, 2, {\"a\": [3]}]")) == [1, 2, {"a": [3]}]
+    assert list(iter_json_array("[]")) == [] and list(iter_json_array("no array")) == []
+
+
+def test_split_and_shuffle_are_deterministic_and_keep_conversations_together():
+    ps = [Prompt(f"conv{i}_{j}", "x", "sharegpt") for i in range(300) for j in range(2)]
+    train, heldout = split_prompts(ps, 0.1)
+    assert len(train) + len(heldout) == len(ps) and 20 < len(heldout) < 100
+    assert split_prompts(list(reversed(ps)), 0.1)[1] == list(reversed(heldout))
+    for i in range(300):
+        assert is_heldout(f"conv{i}_0", 0.1) == is_heldout(f"conv{i}_1", 0.1)
+    order = shuffle_prompts(ps, seed=3)
+    assert order == shuffle_prompts(list(reversed(ps)), seed=3) and order != ps
+    assert shuffle_prompts(ps[:100], seed=3) == [p for p in order if p in set(ps[:100])]
+    assert shuffle_prompts(ps, seed=4) != order
+
+
+def test_code_prompts_are_ours_and_stable():
+    base = code_prompts()
+    assert len(base) == len(data.CODE_TASKS) and all(p.source == "code" for p in base)
+    more = code_prompts(stdlib_docstrings=5)
+    assert more[: len(base)] == base and len(more) == len(base) + 5 and more == code_prompts(5)
+    assert all(p.id.startswith("doc-") and "Write a Python function" in p.text for p in more[len(base):])
+
+
+def test_packed_generation_equals_one_prompt_at_a_time(tiny: Tiny):
+    ps = prompts(3, 7)
+    packed = generate_batch(tiny.model, ps, LAYER_IDS, 10, top_k=8, eos_ids=(EOS,))
+    for p, seq in zip(ps, packed, strict=True):
+        alone = generate_batch(tiny.model, [p], LAYER_IDS, 10, top_k=8, eos_ids=(EOS,))[0]
+        assert torch.equal(seq.tokens, alone.tokens) and seq.prompt_len == len(p)
+        torch.testing.assert_close(seq.features.float(), alone.features.float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(seq.topk_values, alone.topk_values, atol=1e-4, rtol=1e-4)
+        # greedy labels are the target's own argmax, and generation stops at EOS
+        assert torch.equal(seq.generated, seq.topk_ids[:, 0])
+        assert EOS not in seq.generated[:-1].tolist()
+        assert seq.generated.numel() == 10 or int(seq.generated[-1]) == EOS
+
+
+def test_generation_records_equal_a_fresh_prefill_of_the_final_tokens(tiny: Tiny):
+    for seq in tiny.train[:4]:
+        again = extract_features(tiny.model, seq.tokens.tolist(), seq.prompt_len, LAYER_IDS, top_k=8, chunk_size=5)
+        assert again.features.shape == seq.features.shape == (seq.tokens.numel() - 1, len(LAYER_IDS), 32)
+        torch.testing.assert_close(again.features.float(), seq.features.float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(again.topk_values, seq.topk_values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again.logsumexp, seq.logsumexp, atol=1e-4, rtol=1e-4)
+        assert (again.topk_ids == seq.topk_ids).float().mean() > 0.95  # ties at the k-th logit may swap
+
+
+def test_sampled_generation_is_seeded_per_prompt(tiny: Tiny):
+    ps, params = prompts(2, 9), SamplingParams(temperature=1.0)
+    a = generate_batch(tiny.model, ps, LAYER_IDS, 16, sampling=[params, params], seeds=[5, 6])
+    b = generate_batch(tiny.model, ps[:1], LAYER_IDS, 16, sampling=[params], seeds=[5])
+    c = generate_batch(tiny.model, ps, LAYER_IDS, 16, sampling=[params, params], seeds=[7, 6])
+    assert torch.equal(a[0].tokens, b[0].tokens) and a[0].mode == "sampled"
+    assert not torch.equal(a[0].tokens, c[0].tokens) and torch.equal(a[1].tokens, c[1].tokens)
+
+
+class CountingTokenizer:
+    eos_token_ids = (EOS,)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return messages[0]["content"]
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(x) for x in text.split()]
+
+
+def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    ps = [Prompt(f"p{i}", " ".join(map(str, p)), "code") for i, p in enumerate(prompts(5, 11))]
+    settings = GenerationSettings(max_new_tokens=6, top_k=4, sampled_fraction=0.5, seed=1)
+    key = data.cache_key("tiny", LAYER_IDS, settings, 64, 0.1)
+    cache = FeatureCache(tmp_path, key)
+    calls = []
+    real = data.generate_batch
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("prompt_ids", args[-1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "generate_batch", counting)
+    first = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    assert len(calls) == 3 and len(list(cache.dir.glob("shard-*.pt"))) == 3
+    assert {s.mode for s in first} <= {"greedy", "sampled"}
+    again = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    assert len(calls) == 3
+    for a, b in zip(first, again, strict=True):
+        for name in ("tokens", "features", "topk_values", "topk_ids", "logsumexp"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.prompt_id, a.mode, a.prompt_len) == (b.prompt_id, b.mode, b.prompt_len)
+    # an interrupted run: the missing shard alone is generated again, with the same result
+    missing = cache.shard_path(1, ["p2", "p3"])
+    missing.unlink()
+    resumed = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    assert len(calls) == 4 and missing.exists()
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, resumed, strict=True))
+    # a longer prompt list reuses the shards of the shorter one
+    longer = data.build_sequences(tiny.model, CountingTokenizer(), ps + [Prompt("p9", "5 6 7", "code")], LAYER_IDS,
+                                  settings, cache, shard_size=2)
+    assert len(calls) == 5 and len(longer) == 6
+    # held-out prompts are always greedy; other keys get other directories
+    held = data.build_sequences(tiny.model, CountingTokenizer(), ps[:2], LAYER_IDS, settings, None, heldout=True)
+    assert {s.mode for s in held} == {"greedy"}
+    assert FeatureCache(tmp_path, {**key, "top_k": 8}).dir != cache.dir
+    assert json.loads((cache.dir / "meta.json").read_text())["layer_ids"] == list(LAYER_IDS)
