@@ -254,8 +254,8 @@ def train(
         done += 1
         if progress is not None:
             rate = (time.perf_counter() - t0) / done
-            progress(f"step {step + 1}/{settings.steps} loss {float(terms.total):.4f} (ce {float(terms.ce):.3f} "
-                     f"tv {float(terms.tv):.3f} bce {float(terms.bce):.3f}) c* "
+            progress(f"step {step + 1}/{settings.steps} loss {float(terms.total.detach()):.4f} "
+                     f"(ce {float(terms.ce):.3f} tv {float(terms.tv):.3f} bce {float(terms.bce):.3f}) c* "
                      f"{float(terms.soft_acceptance[:, 0].mean()):.3f} lr {lr_at(step, settings):.2e} "
                      f"{rate:.2f} s/step, eta {rate * (end - step - 1):.0f} s")
         last = step + 1 == settings.steps

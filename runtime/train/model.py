@@ -12,6 +12,7 @@ and its Markov bias reads the previous token y_j of the target's own continuatio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -261,6 +262,7 @@ def init_drafter(
                                   draft_vocab_size=vocab.size)
     if vocab.vocab_size != t.vocab_size:
         raise ValueError(f"draft vocabulary built for {vocab.vocab_size} ids, the target has {t.vocab_size}")
+    drafter.config = dataclasses.replace(drafter.config, name=f"dspark-train drafter for {t.name}")
     target_state = {k: v.detach().float().cpu() for k, v in target.state_dict().items()}
     with torch.no_grad():
         drafter.lm_head.weight.copy_(lm_head[vocab.draft_to_target])

@@ -1,0 +1,62 @@
+"""dspark-train end to end on the tiny target: a word-level tokenizer over its 128 ids and a synthetic ShareGPT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from dspark_grpc.runtime.drafter_formats import load_drafter
+from dspark_grpc.runtime.train import cli
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from .conftest import VOCAB, Tiny
+
+
+def add_tokenizer(directory: Path) -> None:
+    tk = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="1"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "2", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}9"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def write_sharegpt(path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    convs = [{"id": f"c{i}_0", "conversations": [
+        {"from": "human", "value": " ".join(map(str, torch.randint(3, VOCAB, (6,), generator=g).tolist()))}]}
+        for i in range(40)]
+    path.write_text(json.dumps(convs)[:-30], encoding="utf-8")  # truncated, like the real file
+    return path
+
+
+def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
+    target = Path(shutil.copytree(tiny.path, tmp_path / "target"))
+    add_tokenizer(target)
+    sharegpt = write_sharegpt(tmp_path / "sharegpt.json")
+    args = ["--target", str(target), "--out", str(tmp_path / "out"), "--sharegpt", str(sharegpt),
+            "--cache-dir", str(tmp_path / "cache"), "--train-prompts", "24", "--heldout-prompts", "8",
+            "--heldout-fraction", "0.3", "--code-prompts", "0", "--max-new-tokens", "12", "--top-k", "8",
+            "--layers", "1", "--draft-vocab", "64", "--markov-rank", "8", "--steps", "4", "--batch", "4",
+            "--anchors", "4", "--eval-every", "2", "--eval-anchors", "4", "--threads", "1"]
+    assert cli.main(args) == 0
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert [e["step"] for e in report["eval"]] == [0, 2, 4]
+    cal = report["calibration"]
+    assert len(cal["temperatures"]) == 4 and len(cal["ece_before"]) == len(cal["ece_after"]) == 4
+    drafter = load_drafter(out / "drafter", target_path=target)
+    c = drafter.config
+    assert (c.draft_vocab_size, c.num_layers, c.block_size, c.mask_token_id) == (64, 1, 4, VOCAB - 1)
+    assert c.confidence_temperatures == tuple(cal["temperatures"])
+    shards = list((tmp_path / "cache").glob("*/shard-*.pt"))
+    assert shards
+    # resuming a finished run trains no further step and reuses every cached shard
+    stamps = {p: p.stat().st_mtime_ns for p in shards}
+    assert cli.main([*args, "--resume"]) == 0
+    assert [e["step"] for e in json.loads((out / "report.json").read_text())["eval"]] == [4]
+    assert {p: p.stat().st_mtime_ns for p in shards} == stamps
+    resumed = load_drafter(out / "drafter", target_path=target)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
