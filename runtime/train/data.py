@@ -322,7 +322,10 @@ def generate_batch(
         for row, i in enumerate(active):
             top[i].append((values[row].cpu(), ids[row].cpu(), lse[row].cpu()))
             params = sampling[i]
-            token = int(logits[row].argmax()) if params is None else int(sample(logits[row], params, generators[i]))
+            if params is None:
+                token = int(logits[row].argmax())
+            else:  # on the CPU, where the seeded generator lives
+                token = int(sample(logits[row].float().cpu(), params, generators[i]))
             new[i].append(token)
             if token not in eos and len(new[i]) < max_new_tokens:
                 still.append(i)
@@ -410,19 +413,20 @@ class FeatureCache:
         if not meta.exists():
             meta.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-    def shard_path(self, index: int, prompt_ids: Sequence[str]) -> Path:
+    def shard_path(self, index: int, prompt_ids: Sequence[str], role: str = "train") -> Path:
         digest = hashlib.sha256("\n".join(prompt_ids).encode()).hexdigest()[:12]
-        return self.dir / f"shard-{index:05d}-{digest}.pt"
+        return self.dir / f"shard-{role}-{index:05d}-{digest}.pt"
 
-    def load(self, index: int, prompt_ids: Sequence[str]) -> list[TargetSequence] | None:
-        path = self.shard_path(index, prompt_ids)
+    def load(self, index: int, prompt_ids: Sequence[str], role: str = "train") -> list[TargetSequence] | None:
+        path = self.shard_path(index, prompt_ids, role)
         if not path.exists():
             return None
         records = torch.load(path, weights_only=True)
         return [TargetSequence(**r) for r in records]
 
-    def save(self, index: int, prompt_ids: Sequence[str], sequences: Sequence[TargetSequence]) -> Path:
-        path = self.shard_path(index, prompt_ids)
+    def save(self, index: int, prompt_ids: Sequence[str], sequences: Sequence[TargetSequence],
+             role: str = "train") -> Path:
+        path = self.shard_path(index, prompt_ids, role)
         tmp = path.with_suffix(".tmp")
         torch.save([{f.name: getattr(s, f.name) for f in fields(TargetSequence)} for s in sequences], tmp)
         os.replace(tmp, path)
@@ -455,14 +459,15 @@ def build_sequences(
     for index, begin in enumerate(range(0, len(encoded), shard_size)):
         shard = encoded[begin: begin + shard_size]
         ids = [p.id for p, _ in shard]
-        loaded = cache.load(index, ids) if cache is not None else None
+        role = "heldout" if heldout else "train"
+        loaded = cache.load(index, ids, role) if cache is not None else None
         if loaded is None:
             modes = [settings.mode(p.id, heldout) for p, _ in shard]
             loaded = generate_batch(model, [t for _, t in shard], layer_ids, settings.max_new_tokens, settings.top_k,
                                     tokenizer.eos_token_ids, [settings.sampling(m) for m in modes],
                                     [settings.prompt_seed(i) for i in ids], ids)
             if cache is not None:
-                cache.save(index, ids, loaded)
+                cache.save(index, ids, loaded, role)
         sequences.extend(loaded)
         if progress is not None:
             done = min(begin + shard_size, len(encoded))

@@ -150,7 +150,8 @@ def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path, monkeyp
                                   settings, cache, shard_size=2)
     assert len(calls) == 5 and len(longer) == 6
     # held-out prompts are always greedy; other keys get other directories
-    held = data.build_sequences(tiny.model, CountingTokenizer(), ps[:2], LAYER_IDS, settings, None, heldout=True)
-    assert {s.mode for s in held} == {"greedy"}
+    held = data.build_sequences(tiny.model, CountingTokenizer(), ps[:2], LAYER_IDS, settings, cache, heldout=True)
+    assert {s.mode for s in held} == {"greedy"} and len(calls) == 6
+    assert cache.shard_path(0, ["p0", "p1"], "heldout").exists()
     assert FeatureCache(tmp_path, {**key, "top_k": 8}).dir != cache.dir
     assert json.loads((cache.dir / "meta.json").read_text())["layer_ids"] == list(LAYER_IDS)
