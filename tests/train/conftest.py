@@ -62,7 +62,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def one_thread():
     """Tiny shapes: a second intra-op thread only adds contention (100x slower on a busy 2-core machine)."""
     threads = torch.get_num_threads()
@@ -71,7 +71,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny(tmp_path_factory: pytest.TempPathFactory, one_thread: None) -> Tiny:
     torch.manual_seed(0)
     model = Transformer(tiny_config())
