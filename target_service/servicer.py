@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -172,10 +173,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 stats.fallback_reason = "no drafter configured (start the target with --drafter ADDRESS)"
             else:
                 kind = request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
-                speculation = await loop.run_in_executor(
-                    self.executor, open_speculation, self.draft_stub, kind, request.budget, request.kernel,
-                    context.time_remaining(), self.draft_timeout, stats, request.proposer,
-                    adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE)
+                speculation = await loop.run_in_executor(self.executor, functools.partial(
+                    open_speculation, self.draft_stub, kind, request.budget, request.kernel, context.time_remaining(),
+                    self.draft_timeout, stats, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE))
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
         step = None
