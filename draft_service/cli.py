@@ -15,7 +15,6 @@ from dspark_grpc.runtime.serving import add_serve_arguments, serve
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-draft", description="DSpark draft service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)

@@ -15,7 +15,6 @@ from dspark_grpc.target_service.servicer import TargetServicer
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-target", description="DSpark target verifier service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)
