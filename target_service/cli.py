@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
                    help="Generate's decode mode when a request does not choose (adaptive = speculate when a drafter "
                         "is configured)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) at "
+                        "http://HOST:PORT/metrics; 0 picks a free port")
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only")
     add_serve_arguments(s, default_port=50051)
@@ -44,6 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     mode = common_pb2.DecodeMode.Value(f"DECODE_MODE_{args.default_mode.upper()}")
     servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
                               default_mode=mode, draft_timeout=args.draft_timeout)
+    if args.metrics_port is not None:
+        from dspark_grpc.client.metrics import SpecDecodeMetrics
+
+        servicer.metrics = SpecDecodeMetrics()
+        server = servicer.metrics.serve(args.metrics_port, addr=args.host)
+        print(f"[dspark-target] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None)
 

@@ -64,6 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.draft_stub = draft_pb2_grpc.DraftServiceStub(make_channel(drafter_address)) if drafter_address else None
         self.default_mode = default_mode
         self.draft_timeout = draft_timeout
+        self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -189,6 +190,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 step = None
                 if delta is None:
                     return
+                if delta.finish_reason and self.metrics is not None:
+                    self.metrics.observe(stats)
                 yield target_pb2.GenerateResponse(
                     text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason,
                     stats=stats if delta.finish_reason else None)

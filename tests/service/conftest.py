@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 from dspark_grpc.client import TargetClient
@@ -36,12 +38,22 @@ def draft_address() -> str:
 
 
 @pytest.fixture(scope="session")
-def spec_target_address(draft_address: str) -> str:
-    """A second target that speculates with the random drafter in its Generate RPC."""
-    with local_target(["--drafter", draft_address, "--quiet"], echo=False) as address:
+def spec_target(draft_address: str) -> tuple[str, str]:
+    """A second target that speculates with the random drafter in its Generate RPC and exports Prometheus
+    metrics: (gRPC address, metrics URL)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
+    args = ["--drafter", draft_address, "--metrics-port", str(metrics_port), "--quiet"]
+    with local_target(args, echo=False) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)
-        yield address
+        yield address, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+@pytest.fixture(scope="session")
+def spec_target_address(spec_target: tuple[str, str]) -> str:
+    return spec_target[0]
 
 
 @pytest.fixture()

@@ -126,3 +126,28 @@ def test_adaptive_mode_stops_drafting_when_it_does_not_pay(target_address, draft
     s = adaptive.stats
     assert 0 < s.speculative_steps <= 8 and s.ar_steps >= 50  # a first try, then rare re-probes
     assert "adaptive" in s.fallback_reason and "AR" in s.fallback_reason
+
+
+def test_generate_exports_spec_decode_metrics(spec_target):
+    import re
+    import urllib.request
+
+    import grpc
+    from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2_grpc
+
+    address, url = spec_target
+    with grpc.insecure_channel(address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        out = list(stub.Generate(target_pb2.GenerateRequest(
+            prompt=common_pb2.Prompt(text="Repeat: a b c, a b c, a b c,"), max_new_tokens=16,
+            mode=common_pb2.DECODE_MODE_SPECULATION), timeout=120))
+    stats = out[-1].stats
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+
+    def value(name: str) -> float:
+        found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)
+        assert found, name
+        return sum(float(v) for v in found)
+
+    assert value("dspark:spec_decode_num_drafts_total") >= stats.speculative_steps > 0
+    assert value("dspark:spec_decode_num_accepted_tokens_total") >= sum(stats.accepted_per_position)
