@@ -1,17 +1,25 @@
 """Model steps on one sequence: prefill a prompt, verify a token tree in one forward, commit a path.
 
 Plain autoregressive decoding is verify_tree with a single root node, then commit_path([0]).
+Each step takes an optional `forward` (a SequenceInput -> ForwardOutput callable, e.g. a StepBatcher's, which
+runs it in a ragged batch with other sessions' steps); the default runs it alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .kv_cache import KVCache
-from .transformer import Transformer
+from .transformer import ForwardOutput, SequenceInput, Transformer
 from .tree import ancestor_mask, is_root_path, tree_depths, validate_tree
+
+Forward = Callable[[SequenceInput], ForwardOutput]
+
+
+def run_alone(model: Transformer) -> Forward:
+    return lambda inp: model.forward_batch([inp])[0]
 
 
 def prefill(
@@ -20,6 +28,7 @@ def prefill(
     tokens: Sequence[int],
     capture_layers: Sequence[int] = (),
     chunk_size: int = 512,
+    forward: Forward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run and commit `tokens` after the cache's committed rows, `chunk_size` rows per forward.
 
@@ -32,7 +41,8 @@ def prefill(
         chunk = torch.tensor(tokens[begin : begin + chunk_size], dtype=torch.long)
         T = chunk.shape[0]
         positions = torch.arange(cache.length, cache.length + T)
-        out = model(chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers))
+        out = (forward or run_alone(model))(SequenceInput(
+            chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers)))
         cache.commit(range(T))
         captures.append(out.captures)
     return out.logits[0], torch.cat(captures) if capture_layers else None
@@ -44,23 +54,29 @@ def verify_tree(
     tokens: Sequence[int],
     parents: Sequence[int],
     capture_layers: Sequence[int] = (),
+    forward: Forward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over the N tree nodes, each at position cache.length + depth and attending to every
     committed row and to its own ancestors. The N rows stay pending in the cache until commit_path.
 
     Returns logits [N, V] (float32) and captures [N, L, H] (None without capture layers).
     """
-    n = len(tokens)
-    validate_tree(tokens, parents, model.config.vocab_size, max_nodes=n)
-    start = cache.length
+    validate_tree(tokens, parents, model.config.vocab_size, max_nodes=len(tokens))
+    out = (forward or run_alone(model))(tree_input(cache, tokens, parents, capture_layers))
+    cache.pending_parents = list(parents)
+    return out.logits, out.captures
+
+
+def tree_input(cache: KVCache, tokens: Sequence[int], parents: Sequence[int],
+               capture_layers: Sequence[int] = ()) -> SequenceInput:
+    """The forward input of a (validated) tree on top of the cache's committed rows."""
+    n, start = len(tokens), cache.length
     positions = torch.tensor(tree_depths(parents), dtype=torch.long) + start
     mask = None
     if n > 1:
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool), ancestor_mask(parents)], dim=1)
-    ids = torch.tensor(list(tokens), dtype=torch.long)
-    out = model(ids, positions, cache, mask=mask, capture_layers=tuple(capture_layers))
-    cache.pending_parents = list(parents)
-    return out.logits, out.captures
+    return SequenceInput(torch.tensor(list(tokens), dtype=torch.long), positions, cache, mask,
+                         capture_layers=tuple(capture_layers))
 
 
 def commit_path(cache: KVCache, path: Sequence[int]) -> None:

@@ -1,7 +1,13 @@
-"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, one sequence at a time."""
+"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints.
+
+One forward runs one sequence's new rows, or several sequences' rows concatenated (a ragged batch): the
+projections, MLPs and lm_head run once over all rows (one read of the weights), attention runs per sequence
+against that sequence's own K/V.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -10,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import CacheFullError, KVCache
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -25,6 +31,29 @@ class KVSource(Protocol):
     """
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class Segment:
+    """Rows [begin, end) of a ragged batch: one sequence's new rows, its mask [end - begin, S] (None: attend
+    to all S rows) and where its K/V rows come from."""
+
+    begin: int
+    end: int
+    mask: torch.Tensor | None
+    kv: KVSource
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's part of a (batched) forward; see Transformer.forward."""
+
+    tokens: torch.Tensor  # [T] token ids
+    positions: torch.Tensor  # [T]
+    cache: KVCache
+    mask: torch.Tensor | None = None  # [T, cache.length + T] bool; None: committed rows + causal
+    logits_rows: torch.Tensor | None = None  # which rows get logits; None: all
+    capture_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -71,15 +100,27 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
     ) -> torch.Tensor:
         """x [T, hidden]; mask [T, S] bool (True = may attend) or None (attend to all S rows)."""
+        return self.forward_segments(x, cos, sin, [Segment(0, x.shape[0], mask, kv)])
+
+    def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         segments: Sequence[Segment]) -> torch.Tensor:
+        """x [T, hidden] = the segments' rows, in order and covering [0, T); each attends only to its own K/V."""
         T = x.shape[0]
+        assert segments[0].begin == 0 and segments[-1].end == T, (segments[0].begin, segments[-1].end, T)
         q = self.wq(x).view(T, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(0, 1), cos, sin)
-        k, v = kv.update(*self.project_kv(x, cos, sin))
-        assert mask is None or mask.shape == (T, k.shape[1]), (mask.shape, k.shape)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
-        return self.wo(out[0].transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
+        k_new, v_new = self.project_kv(x, cos, sin)
+        outs = []
+        for seg in segments:
+            k, v = seg.kv.update(k_new[:, seg.begin : seg.end], v_new[:, seg.begin : seg.end])
+            assert seg.mask is None or seg.mask.shape == (seg.end - seg.begin, k.shape[1]), (seg.mask.shape, k.shape)
+            out = F.scaled_dot_product_attention(q[None, :, seg.begin : seg.end], k[None], v[None],
+                                                 attn_mask=seg.mask, enable_gqa=True)
+            outs.append(out[0])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.wo(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -104,7 +145,11 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, kv)
+        return self.forward_segments(x, cos, sin, [Segment(0, x.shape[0], mask, kv)])
+
+    def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         segments: Sequence[Segment]) -> torch.Tensor:
+        h = x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -177,31 +222,64 @@ class Transformer(nn.Module):
         outputs are returned: HF's `hidden_states[l + 1]`, except that HF applies the final norm to the
         last layer's entry and we never do.
         """
+        return self.forward_batch([SequenceInput(tokens, positions, cache, mask, logits_rows, capture_layers)])[0]
+
+    @torch.no_grad()
+    def forward_batch(self, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
+        """`forward` for several sequences (distinct caches) in one pass over the weights; outputs in order."""
+        if not batch:
+            raise ValueError("forward_batch needs at least one sequence")
+        if len({id(b.cache) for b in batch}) != len(batch):
+            raise ValueError("each sequence of a batch needs its own cache")
+        for b in batch:
+            self._check_input(b)
+        masks, bounds, begin = [], [], 0
+        for b in batch:
+            T = b.tokens.shape[0]
+            start = b.cache.begin(T)
+            mask = b.mask.to(self.device) if b.mask is not None else None
+            masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
+            bounds.append((begin, begin + T))
+            begin += T
+        tokens = torch.cat([b.tokens for b in batch]).to(self.device)
+        positions = torch.cat([b.positions for b in batch]).to(self.device)
+        x = self.tok_embeddings(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, x.dtype)
+        wanted = sorted({i for b in batch for i in b.capture_layers})
+        captured: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.layers):
+            segments = [Segment(lo, hi, m, b.cache.layer(i)) for (lo, hi), m, b in zip(bounds, masks, batch,
+                                                                                       strict=True)]
+            x = block.forward_segments(x, cos, sin, segments)
+            if i in wanted:
+                captured[i] = x
+        rows = [torch.arange(lo, hi) if b.logits_rows is None else b.logits_rows.cpu() + lo
+                for (lo, hi), b in zip(bounds, batch, strict=True)]
+        logits = self.lm_head(self.norm(x[torch.cat(rows).to(self.device)])).float()
+        outputs, offset = [], 0
+        for (lo, hi), r, b in zip(bounds, rows, batch, strict=True):
+            captures = (torch.stack([captured[i][lo:hi] for i in b.capture_layers], dim=1)
+                        if b.capture_layers else None)
+            outputs.append(ForwardOutput(logits[offset : offset + len(r)], captures))
+            offset += len(r)
+        return outputs
+
+    def _check_input(self, b: SequenceInput) -> None:
+        tokens, positions, cache, mask = b.tokens, b.positions, b.cache, b.mask
         T = tokens.shape[0]
         if tokens.ndim != 1 or positions.shape != tokens.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be [T]")
-        bad = [i for i in capture_layers if not 0 <= i < self.config.num_layers]
+        if T < 1:
+            raise ValueError("a forward needs at least one token")
+        bad = [i for i in b.capture_layers if not 0 <= i < self.config.num_layers]
         if bad:
             raise ValueError(f"capture layer ids {bad} outside 0..{self.config.num_layers - 1}")
         if mask is not None and (mask.dtype != torch.bool or mask.shape != (T, cache.length + T)):
             raise ValueError(f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}")
         if cache.dtype != self.dtype:
             raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
-        if T and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-
-        start = cache.begin(T)
-        if mask is None and T > 1:
-            mask = causal_mask(start, T, self.device)
-        x = self.tok_embeddings(tokens.to(self.device))
-        cos, sin = rope_cos_sin(positions.to(self.device), self.inv_freq, self.attention_scaling, x.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache.layer(i))
-            if i in capture_layers:
-                captured[i] = x
-        if logits_rows is not None:
-            x = x[logits_rows]
-        logits = self.lm_head(self.norm(x)).float()
-        captures = torch.stack([captured[i] for i in capture_layers], dim=1) if capture_layers else None
-        return ForwardOutput(logits, captures)
+        if cache.length + T > cache.max_length:
+            raise CacheFullError(f"sequence would reach {cache.length + T} tokens, over the cache's max_length "
+                                 f"{cache.max_length}")

@@ -7,14 +7,8 @@ import json
 import time
 
 import pytest
-from dspark_grpc.runtime.cost_table import (
-    CostKey,
-    CostTable,
-    load_or_profile,
-    profile_drafter,
-    profile_target,
-    target_key,
-)
+from dspark_grpc.client.cost_table import CostKey, CostTable, load_or_profile
+from dspark_grpc.runtime.cost_profile import profile_drafter, profile_target, target_key
 
 KEY = CostKey(kind="verify", model="m" * 64, dtype="float32", threads=2, device="cpu test", context=128)
 

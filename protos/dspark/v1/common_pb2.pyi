@@ -119,6 +119,16 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class CostTable(_message.Message):
+    __slots__ = ("lanes", "sizes", "seconds")
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lanes: int
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, lanes: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -150,7 +160,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer", "drafted_per_position", "accepted_per_position")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer", "drafted_per_position", "accepted_per_position", "planned_ar_steps", "truncated_drafts")
     class AcceptedByProposerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +187,8 @@ class GenerationStats(_message.Message):
     ACCEPTED_BY_PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_AR_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     steps: int
@@ -196,4 +208,6 @@ class GenerationStats(_message.Message):
     accepted_by_proposer: _containers.ScalarMap[str, int]
     drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    planned_ar_steps: int
+    truncated_drafts: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., planned_ar_steps: _Optional[int] = ..., truncated_drafts: _Optional[int] = ...) -> None: ...

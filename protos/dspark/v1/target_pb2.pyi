@@ -23,7 +23,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context_length", "compute_dtype", "device", "fingerprint", "protocol_version", "eos_token_ids", "max_sessions", "max_tree_nodes", "max_message_bytes", "speculation_available", "default_mode")
+    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context_length", "compute_dtype", "device", "fingerprint", "protocol_version", "eos_token_ids", "max_sessions", "max_tree_nodes", "max_message_bytes", "speculation_available", "default_mode", "verify_costs")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GetModelInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     num_layers: int
@@ -56,7 +57,8 @@ class GetModelInfoResponse(_message.Message):
     max_message_bytes: int
     speculation_available: bool
     default_mode: _common_pb2.DecodeMode
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ...) -> None: ...
+    verify_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.CostTable]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.CostTable, _Mapping]]] = ...) -> None: ...
 
 class TargetSessionRequest(_message.Message):
     __slots__ = ("request_id", "open", "prefill", "verify", "commit", "rollback", "release")
@@ -153,7 +155,7 @@ class Verify(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., commit: _Optional[bool] = ..., return_logits: _Optional[_Union[LogitsReturn, str]] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "token_texts", "length", "compute_seconds")
+    __slots__ = ("accepted_path", "next_token", "committed", "capture", "logits", "token_texts", "length", "compute_seconds", "batch_sessions", "batch_rows")
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,8 @@ class Verified(_message.Message):
     TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
     committed: bool
@@ -170,7 +174,9 @@ class Verified(_message.Message):
     token_texts: _containers.RepeatedScalarFieldContainer[str]
     length: int
     compute_seconds: float
-    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    batch_sessions: int
+    batch_rows: int
+    def __init__(self, accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., committed: _Optional[bool] = ..., capture: _Optional[_Union[_common_pb2.HiddenCapture, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("session_id", "path", "next_token")

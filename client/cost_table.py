@@ -11,9 +11,9 @@ dtype, threads, device, kind, context and lanes. A second start with the same ke
 profiling; any change of key (e.g. another thread count) profiles again.
 
 Lanes (concurrent sessions in one batched forward) are a key field, so each lane count gets its own 1-D table
-(rows -> seconds). Only lanes=1 is profiled today: batched multi-session forwards do not exist yet.
+(rows per session -> seconds per forward).
 
-Importing this module does not import torch (the client's scheduler can hold tables); only the profilers do.
+Torch-free: the client's planner holds tables; the profilers live in dspark_grpc.runtime.cost_profile.
 """
 
 from __future__ import annotations
@@ -23,20 +23,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
-import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-    from .transformer import Transformer
+from dspark_grpc.protos.dspark.v1 import common_pb2
 
 FORMAT_VERSION = 1
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)
@@ -187,6 +181,9 @@ class CostTable:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    def to_proto(self) -> common_pb2.CostTable:
+        return common_pb2.CostTable(lanes=self.key.lanes, sizes=self.sizes, seconds=self.seconds)
+
     def describe(self) -> str:
         return "  ".join(f"{s}:{t * 1e3:.2f}ms" for s, t in zip(self.sizes, self.seconds, strict=True))
 
@@ -242,133 +239,3 @@ def default_cache_dir() -> Path:
         return Path(os.environ["DSPARK_COST_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "dspark-grpc" / "cost-tables"
-
-
-# -- profiling ----------------------------------------------------------------------------------------
-
-
-def device_name(device: torch.device | str) -> str:
-    """The device as a cache key: type and index plus the hardware model (a table from another GPU or CPU
-    model must not be reused)."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    if device.type == "cpu":
-        return f"cpu {_cpu_model()}".strip()
-    return str(device)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _sync(device: torch.device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def target_key(model: Transformer, context: int = 128, lanes: int = 1) -> CostKey:
-    import torch
-
-    return CostKey(kind="verify", model=model.config.fingerprint(), dtype=str(model.dtype).removeprefix("torch."),
-                   threads=torch.get_num_threads(), device=device_name(model.device), context=context, lanes=lanes)
-
-
-def draft_key(model_fingerprint: str, drafter: str, dtype: str, device: torch.device | str, context: int = 128,
-              lanes: int = 1) -> CostKey:
-    """Key of a drafter table: `drafter` names the drafter and its weights (e.g. "dspark:<fingerprint>",
-    "ngram"); model_fingerprint is its target's."""
-    import torch
-
-    return CostKey(kind="draft", model=model_fingerprint, drafter=drafter, dtype=dtype, threads=torch.get_num_threads(),
-                   device=device_name(device), context=context, lanes=lanes)
-
-
-def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
-               sync: Callable[[], None] = lambda: None, warmup: int = 1,
-               max_seconds: float | None = None) -> tuple[list[float], dict[str, Any]]:
-    """Median seconds of `run(size)` per size, and what was done. Sizes are interleaved round by round (a slow
-    drift of the machine then spreads over every size instead of biasing the last ones); `warmup` untimed
-    rounds first. Past `max_seconds` no new round starts (at least one timed round always runs)."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    times: dict[int, list[float]] = {s: [] for s in sizes}
-    t_start = time.perf_counter()
-    rounds = 0
-    for round_ in range(warmup + repeats):
-        if rounds and max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            break
-        for s in sizes:
-            sync()
-            t0 = time.perf_counter()
-            run(s)
-            sync()
-            if round_ >= warmup:
-                times[s].append(time.perf_counter() - t0)
-        rounds += round_ >= warmup
-    info = {"repeats": rounds, "warmup": warmup, "wall_seconds": round(time.perf_counter() - t_start, 3),
-            "created": round(time.time())}
-    return [statistics.median(times[s]) for s in sizes], info
-
-
-def _check_sizes(sizes: Sequence[int]) -> list[int]:
-    out = sorted({int(s) for s in sizes})
-    if not out or out[0] < 1:
-        raise ValueError(f"sizes must be >= 1, got {list(sizes)}")
-    return out
-
-
-def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, context: int = 128,
-                   seed: int = 0, max_seconds: float | None = None) -> CostTable:
-    """Time verify_tree over a chain of `size` rows on top of `context` committed rows (random tokens, one
-    fresh cache): the median of `repeats` per size after one warm-up round. Size 1 (a plain AR step: one root,
-    no draft) is always measured. Rows verified are what the forward's cost depends on, so a tree of N nodes
-    costs about what a chain of N does; the commit after it is a few row copies and not timed."""
-    import torch
-
-    from .decode import verify_tree
-
-    sizes = _check_sizes([1, *sizes])
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(vocab, (max(context, 1),), generator=gen).tolist()
-    drafts = torch.randint(vocab, (sizes[-1],), generator=gen).tolist()
-    rows = len(prompt) + sizes[-1]
-    cache = model.new_cache(max_length=rows, initial_capacity=rows)
-    if context:
-        from .decode import prefill
-
-        prefill(model, cache, prompt)
-
-    def run(size: int) -> None:
-        logits, _ = verify_tree(model, cache, drafts[:size], list(range(-1, size - 1)))
-        logits.argmax(-1).tolist()  # what the engine does next; also waits for the device
-        cache.discard()
-
-    seconds, info = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device), max_seconds=max_seconds)
-    return CostTable(target_key(model, context), sizes, seconds, info=info)
-
-
-def profile_drafter(propose: Callable[[int], object], key: CostKey, sizes: Sequence[int] = DEFAULT_SIZES,
-                    repeats: int = 5, sync: Callable[[], None] = lambda: None,
-                    max_seconds: float | None = None) -> CostTable:
-    """Time `propose(budget)` (one proposal of that budget/block size, any proposer, returning once its result
-    is on the host) per size: the median of `repeats` after one warm-up round. The caller sets the session
-    up (context rows appended) and says in `key` what was timed."""
-    if key.kind != "draft":
-        raise ValueError(f"a drafter table needs a key of kind 'draft', got {key.kind!r}")
-    sizes = _check_sizes(sizes)
-    seconds, info = time_sizes(propose, sizes, repeats, sync=sync, max_seconds=max_seconds)
-    return CostTable(key, sizes, seconds, info=info)

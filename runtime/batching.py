@@ -1,0 +1,113 @@
+"""Continuous batching of model steps submitted from many threads.
+
+Callers block in `submit(job)`; one worker thread runs whatever is queued when the model becomes free as one
+batch (`run_batch(jobs) -> results`, in order), up to `max_rows` rows. A lone job runs at once, so a single
+session pays only a thread hand-off; under load, sessions that step at the same time share one pass over the
+weights. A batch that raises is re-run one job at a time, so one bad job fails alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """The forward a job ran in: how many jobs, rows and seconds it had."""
+
+    jobs: int
+    rows: int
+    seconds: float
+
+
+@dataclass
+class _Ticket(Generic[J, R]):
+    job: J
+    rows: int
+    done: threading.Event
+    result: R | None = None
+    error: BaseException | None = None
+    info: BatchInfo | None = None
+
+
+class StepBatcher(Generic[J, R]):
+    def __init__(self, run_batch: Callable[[list[J]], Sequence[R]], rows: Callable[[J], int] = lambda job: 1,
+                 max_rows: int = 512, name: str = "step-batcher",
+                 on_batch: Callable[[BatchInfo], None] | None = None) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.run_batch, self.rows, self.max_rows, self.on_batch = run_batch, rows, max_rows, on_batch
+        self._queue: list[_Ticket[J, R]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._worker.start()
+
+    def submit(self, job: J) -> tuple[R, BatchInfo]:
+        """Run `job` in the next batch; blocks until it ran. Re-raises the job's own error."""
+        ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event())
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the step batcher is closed")
+            self._queue.append(ticket)
+            self._cv.notify()
+        ticket.done.wait()
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.info is not None
+        return ticket.result, ticket.info  # type: ignore[return-value]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._worker.join(timeout=5)
+
+    def _take(self) -> list[_Ticket[J, R]] | None:
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            if not self._queue:
+                return None
+            batch, rows = [self._queue.pop(0)], 0
+            rows = batch[0].rows
+            while self._queue and rows + self._queue[0].rows <= self.max_rows:
+                rows += self._queue[0].rows
+                batch.append(self._queue.pop(0))
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._take()) is not None:
+            self._run(batch)
+            if len(batch) > 1 and any(t.error is not None for t in batch):
+                for t in batch:  # isolate the failing job(s)
+                    t.error = None
+                    self._run([t])
+            for t in batch:
+                t.done.set()
+
+    def _run(self, batch: list[_Ticket[J, R]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self.run_batch([t.job for t in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} jobs")
+        except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
+            for t in batch:
+                t.error = e
+            return
+        info = BatchInfo(len(batch), sum(t.rows for t in batch), time.perf_counter() - t0)
+        for t, r in zip(batch, results, strict=True):
+            t.result, t.info = r, info
+        if self.on_batch is not None:
+            try:
+                self.on_batch(info)
+            except Exception:  # noqa: BLE001 - telemetry must not fail a step
+                pass
