@@ -1,4 +1,5 @@
-"""The DFlash/DSpark drafter backbone: target features injected as context K/V, one block forward per proposal.
+"""The DFlash/DSpark drafter backbone: target features injected as context K/V, one block forward per proposal
+(several sessions' blocks may share one pass: `forward_blocks`).
 
 Context rows (committed positions 0..n-1) have no queries: their target features go through `fc` + `hidden_norm`
 and then each layer's k/v projections (k_norm, RoPE at the absolute position). A block [anchor, MASK x (B-1)] at
@@ -9,6 +10,7 @@ see a window of context and are causal inside the block unless the checkpoint sa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ from .drafter_config import DrafterConfig
 from .kv_cache import KVCache
 from .markov import ConfidenceHead, MarkovHead
 from .rope import rope_cos_sin, rope_inv_freq
-from .transformer import Block, RMSNorm
+from .transformer import Block, RMSNorm, Segment
 
 
 @dataclass
@@ -109,29 +111,47 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def forward_block(self, ctx: DraftContext, anchor_token: int) -> BlockOutput:
         """The block [anchor, MASK x (B-1)] at positions ctx.length .. ctx.length + B - 1; rows = the draft slots."""
+        return self.forward_blocks([(ctx, anchor_token)])[0]
+
+    @torch.no_grad()
+    def forward_blocks(self, items: Sequence[tuple[DraftContext, int]]) -> list[BlockOutput]:
+        """`forward_block` for several sessions in one pass over the draft layers: their blocks' rows are
+        concatenated (projections, MLPs and lm_head run once), attention runs per block against its own context."""
         c = self.config
-        if not 0 <= anchor_token < c.vocab_size:
-            raise ValueError(f"anchor token {anchor_token} outside the vocabulary [0, {c.vocab_size})")
-        B, n = c.block_size, ctx.length
-        tokens = torch.full((B,), c.mask_token_id, dtype=torch.long, device=self.device)
-        tokens[0] = anchor_token
-        positions = torch.arange(n, n + B, device=self.device)
-        x = self.embed(tokens)
-        cos, sin = self.rope(positions, x.dtype)
+        if not items:
+            raise ValueError("forward_blocks needs at least one (context, anchor) item")
+        bad = [a for _, a in items if not 0 <= a < c.vocab_size]
+        if bad:
+            raise ValueError(f"anchor token {bad[0]} outside the vocabulary [0, {c.vocab_size})")
+        B, S = c.block_size, len(items)
+        tokens = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
+        tokens[:, 0] = torch.tensor([a for _, a in items], device=self.device)
+        starts = [ctx.length for ctx, _ in items]
+        positions = [torch.arange(n, n + B, device=self.device) for n in starts]
+        x = self.embed(tokens.reshape(S * B))
+        cos, sin = self.rope(torch.cat(positions), x.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = ctx.layer_kv(i)
-            mask = None
-            if c.layer_types[i] == "sliding_attention":
-                assert c.sliding_window is not None
-                first = max(0, n - c.sliding_window + 1)  # the earliest row any block query can see
-                k, v = k[:, first:], v[:, first:]
-                key_pos = torch.cat([torch.arange(first, n, device=self.device), positions])
-                mask = sliding_mask(positions, key_pos, c.sliding_window, c.causal_sliding)
-            x = layer(x, cos, sin, mask, _BlockKV(k, v))
-        rows = x if c.slot_convention == "dspark" else x[1:]
-        assert rows.shape == (c.num_drafts, c.hidden_size), rows.shape
+            segments = [Segment(j * B, (j + 1) * B, *self._block_kv(ctx, i, pos))
+                        for j, ((ctx, _), pos) in enumerate(zip(items, positions, strict=True))]
+            x = layer.forward_segments(x, cos, sin, segments)
+        x = x.view(S, B, c.hidden_size)
+        rows = x if c.slot_convention == "dspark" else x[:, 1:]
+        assert rows.shape == (S, c.num_drafts, c.hidden_size), rows.shape
         post = self.norm(rows)
-        return BlockOutput(rows, post, self.lm_head(post).float())
+        logits = self.lm_head(post).float()
+        return [BlockOutput(rows[j], post[j], logits[j]) for j in range(S)]
+
+    def _block_kv(self, ctx: DraftContext, layer: int, positions: Tensor) -> tuple[Tensor | None, _BlockKV]:
+        """Layer `layer`'s mask (None: every row) and K/V source for a block at `positions` over `ctx`."""
+        c, n = self.config, ctx.length
+        k, v = ctx.layer_kv(layer)
+        if c.layer_types[layer] != "sliding_attention":
+            return None, _BlockKV(k, v)
+        assert c.sliding_window is not None
+        first = max(0, n - c.sliding_window + 1)  # the earliest row any block query can see
+        key_pos = torch.cat([torch.arange(first, n, device=self.device), positions])
+        mask = sliding_mask(positions, key_pos, c.sliding_window, c.causal_sliding)
+        return mask, _BlockKV(k[:, first:], v[:, first:])
 
 
 class DraftContext:

@@ -1,0 +1,52 @@
+"""Drafter.forward_blocks: several sessions' blocks in one pass equal each block run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_grpc.runtime.drafter_formats import init_random_drafter
+
+from .helpers import assert_same_output, random_features
+from .test_drafter_forward import TARGET
+
+
+@pytest.mark.parametrize("variant", ["full", "sliding_causal", "sliding_bidirectional", "dflash_slots"])
+def test_batched_blocks_equal_each_block_alone(variant):
+    sliding = variant != "full"
+    drafter = init_random_drafter(
+        TARGET, num_layers=2, block_size=5, target_layer_ids=(0, 3),
+        layer_types=("sliding_attention", "full_attention") if sliding else None,
+        sliding_window=6 if sliding else None, causal_sliding=variant != "sliding_bidirectional",
+        slot_convention="dflash" if variant == "dflash_slots" else "dspark", seed=11)
+    items = []
+    for seed, (n, anchor) in enumerate([(3, 7), (17, 400), (9, 7)]):  # shorter and longer than the window
+        ctx = drafter.new_context()
+        ctx.append(random_features(drafter.config, n, seed=seed), 0)
+        items.append((ctx, anchor))
+    batched = drafter.forward_blocks(items)
+    assert len(batched) == 3
+    for (ctx, anchor), out in zip(items, batched, strict=True):
+        assert out.base_logits.shape == (drafter.config.num_drafts, 512)
+        assert_same_output(out, drafter.forward_block(ctx, anchor), atol=1e-5)
+    # the batch really mixes different sessions: their outputs differ
+    assert not torch.allclose(batched[0].base_logits, batched[2].base_logits, atol=1e-3)
+    assert [ctx.length for ctx, _ in items] == [3, 17, 9]  # nothing was appended
+
+
+def test_the_same_context_twice_in_one_batch():
+    drafter = init_random_drafter(TARGET, num_layers=1, block_size=4, target_layer_ids=(2,), seed=2)
+    ctx = drafter.new_context()
+    ctx.append(random_features(drafter.config, 5), 0)
+    a, b = drafter.forward_blocks([(ctx, 1), (ctx, 2)])
+    assert_same_output(a, drafter.forward_block(ctx, 1), atol=1e-5)
+    assert_same_output(b, drafter.forward_block(ctx, 2), atol=1e-5)
+
+
+def test_bad_batches_are_refused():
+    drafter = init_random_drafter(TARGET, target_layer_ids=(3,))
+    ctx = drafter.new_context()
+    ctx.append(random_features(drafter.config, 4), 0)
+    with pytest.raises(ValueError, match="at least one"):
+        drafter.forward_blocks([])
+    with pytest.raises(ValueError, match="anchor token 512"):
+        drafter.forward_blocks([(ctx, 3), (ctx, 512)])
