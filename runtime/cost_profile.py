@@ -6,10 +6,11 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from dspark_grpc.client.cost_table import DEFAULT_SIZES, CostKey, CostTable
+from dspark_grpc.client.cost_table import DEFAULT_SIZES, CostKey, CostTable, load_or_profile
 
 if TYPE_CHECKING:
     from .transformer import Transformer
@@ -90,32 +91,53 @@ def _check_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, context: int = 128,
-                   seed: int = 0, max_seconds: float | None = None) -> CostTable:
-    """Time verify_tree over a chain of `size` rows on top of `context` committed rows (random tokens, one
-    fresh cache): the median of `repeats` per size after one warm-up round. Size 1 (a plain AR step: one root,
-    no draft) is always measured. Rows verified are what the forward's cost depends on, so a tree of N nodes
-    costs about what a chain of N does; the commit after it is a few row copies and not timed."""
-    from .decode import verify_tree
+                   seed: int = 0, max_seconds: float | None = None, lanes: int = 1) -> CostTable:
+    """Time one batched forward in which `lanes` sessions each verify a chain of `size` rows on top of `context`
+    committed rows (random tokens, fresh caches): the median of `repeats` per size after one warm-up round.
+    Size 1 (a plain AR step: one root, no draft) is always measured. Rows verified are what the forward's cost
+    depends on, so a tree of N nodes costs about what a chain of N does; the commit after it is a few row
+    copies and not timed."""
+    from .decode import prefill, tree_input
 
+    if lanes < 1:
+        raise ValueError(f"lanes must be >= 1, got {lanes}")
     sizes = _check_sizes([1, *sizes])
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(vocab, (max(context, 1),), generator=gen).tolist()
+    caches = []
+    for _ in range(lanes):
+        prompt = torch.randint(vocab, (max(context, 1),), generator=gen).tolist()
+        rows = len(prompt) + sizes[-1]
+        cache = model.new_cache(max_length=rows, initial_capacity=rows)
+        if context:
+            prefill(model, cache, prompt)
+        caches.append(cache)
     drafts = torch.randint(vocab, (sizes[-1],), generator=gen).tolist()
-    rows = len(prompt) + sizes[-1]
-    cache = model.new_cache(max_length=rows, initial_capacity=rows)
-    if context:
-        from .decode import prefill
-
-        prefill(model, cache, prompt)
 
     def run(size: int) -> None:
-        logits, _ = verify_tree(model, cache, drafts[:size], list(range(-1, size - 1)))
-        logits.argmax(-1).tolist()  # what the engine does next; also waits for the device
-        cache.discard()
+        outs = model.forward_batch([tree_input(c, drafts[:size], list(range(-1, size - 1))) for c in caches])
+        for out in outs:
+            out.logits.argmax(-1).tolist()  # what the engine does next; also waits for the device
+        for c in caches:
+            c.discard()
 
     seconds, info = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device), max_seconds=max_seconds)
-    return CostTable(target_key(model, context), sizes, seconds, info=info)
+    return CostTable(target_key(model, context, lanes), sizes, seconds, info=info)
+
+
+def target_cost_tables(model: Transformer, cache_dir: str | Path | None, lanes: Sequence[int] = (1, 2, 4, 8),
+                       sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, max_seconds: float = 4.0,
+                       progress: Callable[[str], None] | None = None) -> list[CostTable]:
+    """One table per lane count, each loaded from `cache_dir` when an earlier start profiled it."""
+    tables = []
+    for n in lanes:
+        def profile(n: int = n) -> CostTable:
+            if progress:
+                progress(f"profiling target forwards: {n} session(s) x {list(sizes)} rows")
+            return profile_target(model, sizes, repeats=repeats, lanes=n, max_seconds=max_seconds)
+
+        tables.append(load_or_profile(cache_dir, target_key(model, lanes=n), profile))
+    return tables
 
 
 def profile_drafter(propose: Callable[[int], object], key: CostKey, sizes: Sequence[int] = DEFAULT_SIZES,

@@ -35,6 +35,13 @@ def parser() -> argparse.ArgumentParser:
                         "http://HOST:PORT/metrics; 0 picks a free port")
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only")
+    s.add_argument("--cost-cache", default=None, metavar="DIR",
+                   help="where start-up cost tables are cached (default: $DSPARK_COST_CACHE, else "
+                        "~/.cache/dspark-grpc/cost-tables)")
+    s.add_argument("--no-cost-profile", action="store_true",
+                   help="skip profiling forward costs at start-up (the adaptive planner then measures online)")
+    s.add_argument("--max-batch-rows", type=int, default=1024,
+                   help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
     add_serve_arguments(s, default_port=50051)
     return p
 
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     mode = common_pb2.DecodeMode.Value(f"DECODE_MODE_{args.default_mode.upper()}")
     servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
-                              default_mode=mode, draft_timeout=args.draft_timeout)
+                              default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions)
     if args.metrics_port is not None:
         from dspark_grpc.client.metrics import SpecDecodeMetrics
 
@@ -54,14 +61,25 @@ def main(argv: list[str] | None = None) -> None:
         server = servicer.metrics.serve(args.metrics_port, addr=args.host)
         print(f"[dspark-target] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
-                          max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None)
+                          max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None,
+                          max_batch_rows=args.max_batch_rows)
 
     def load() -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
-        servicer.engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits,
-                                            progress=not args.quiet)
+        engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet)
+        if not args.no_cost_profile:
+            from dspark_grpc.client.cost_table import default_cache_dir
+            from dspark_grpc.runtime.cost_profile import target_cost_tables
+
+            say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
+            engine.cost_tables = target_cost_tables(engine.model, args.cost_cache or default_cache_dir(), progress=say)
+            if say:
+                for t in engine.cost_tables:
+                    say(f"cost table, {t.key.lanes} session(s) per forward: {t.describe()}")
+        engine.on_forward = servicer.forward_metrics
+        servicer.engine = engine
 
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
+from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
@@ -24,7 +25,7 @@ from dspark_grpc.runtime.kv_cache import KVCache
 from dspark_grpc.runtime.sampling import SamplingParams, make_generator
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
 from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
 
 PROTOCOL_VERSION = 1
@@ -39,6 +40,9 @@ class EngineLimits:
     max_tree_nodes: int = 256
     # Per-session cap on prompt + generated tokens; None = the model's context length.
     max_length: int | None = None
+    # Rows one batched forward may hold (sessions' steps and prefill chunks together); 1 forward per step
+    # when it is smaller than one session's step.
+    max_batch_rows: int = 1024
 
 
 @dataclass
@@ -59,6 +63,7 @@ class TargetSession:
     generator: torch.Generator | None = None
     decoder: IncrementalDecoder | None = None
     pending_tree: PendingTree | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one operation at a time per session
 
     @property
     def prefilled(self) -> bool:
@@ -88,6 +93,7 @@ class Verified:
     next_token: int
     logits: torch.Tensor | None
     committed: Committed | None
+    batch: BatchInfo | None = None  # the batched forward it ran in
 
 
 class TargetEngine:
@@ -102,7 +108,19 @@ class TargetEngine:
         self.max_length = min(limits.max_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.sessions: SessionStore[TargetSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
         self.fingerprint = (cfg.fingerprint(), tokenizer.fingerprint())
-        self._compute = threading.Lock()  # one forward at a time; torch already uses every core
+        # Every forward goes through one worker: steps of concurrent sessions share a forward (continuous batching).
+        self.batcher: StepBatcher[SequenceInput, ForwardOutput] = StepBatcher(
+            model.forward_batch, rows=lambda inp: inp.tokens.shape[0], max_rows=limits.max_batch_rows,
+            name="target-forward", on_batch=self._on_batch)
+        self.on_forward = None  # optional callable(BatchInfo), e.g. Prometheus metrics
+        self.cost_tables: list = []  # client.cost_table.CostTable per lanes, when profiled
+
+    def _on_batch(self, info: BatchInfo) -> None:
+        if self.on_forward is not None:
+            self.on_forward(info)
+
+    def close(self) -> None:
+        self.batcher.close()
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
@@ -195,8 +213,8 @@ class TargetEngine:
                                   f"{s.max_length - 1} prompt tokens (max_length {s.max_length})")
         s.sampling = sampling or SamplingParams()
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
-        with self._compute:
-            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers)
+        with s.lock:
+            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=self._forward)
             next_token = int(accept_tree(logits[None], [0], [-1], s.sampling, s.generator)[1])
         s.tokens = [*ids, next_token]
         s.prompt_length = len(ids)
@@ -222,9 +240,11 @@ class TargetEngine:
         if s.cache.length + depth + 1 > s.max_length:
             raise ResourceExhausted(f"context full: {s.cache.length} rows committed, a tree of depth {depth} "
                                     f"does not fit in max_length {s.max_length}")
-        with self._compute:
+        batches: list[BatchInfo] = []
+        with s.lock:
             s.cache.discard()
-            logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers)
+            logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers,
+                                           forward=lambda inp: self._forward(inp, batches))
             n = len(tokens) - 1
             if draft_ids is not None and n and not s.sampling.is_greedy and parents == list(range(-1, n)):
                 try:
@@ -236,7 +256,13 @@ class TargetEngine:
                 path, next_token = accept_tree(logits, tokens, parents, s.sampling, s.generator)
         s.pending_tree = PendingTree(list(tokens), list(parents), captures)
         committed = self._commit(s, path, next_token) if commit else None
-        return Verified(path, next_token, logits if return_logits else None, committed)
+        return Verified(path, next_token, logits if return_logits else None, committed, batches[-1])
+
+    def _forward(self, inp: SequenceInput, batches: list[BatchInfo] | None = None) -> ForwardOutput:
+        out, info = self.batcher.submit(inp)
+        if batches is not None:
+            batches.append(info)
+        return out
 
     def commit(self, session_id: str, path: list[int], next_token: int) -> Committed:
         s = self.sessions.get(session_id)
@@ -252,7 +278,7 @@ class TargetEngine:
         tree = s.pending_tree
         assert tree is not None
         start = s.cache.length
-        with self._compute:
+        with s.lock:
             commit_path(s.cache, path)
         s.pending_tree = None
         emitted = [tree.tokens[n] for n in path[1:]] + [next_token]
@@ -268,7 +294,7 @@ class TargetEngine:
             raise FailedPrecondition("nothing to roll back: the session is not prefilled")
         if not 0 < length <= s.cache.length:
             raise InvalidArgument(f"rollback length must be in [1, {s.cache.length}], got {length}")
-        with self._compute:
+        with s.lock:
             s.cache.discard()
             s.cache.rollback(length)
         s.pending_tree = None

@@ -56,15 +56,18 @@ def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
                  default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, max_sessions: int = 16) -> None:
         self.engine: TargetEngine | None = None  # set once the model is loaded
         self.max_message_bytes = max_message_bytes
-        self.executor = executor or ThreadPoolExecutor(max_workers=8, thread_name_prefix="target")
+        # Callers wait in these threads while their step runs in a batched forward: enough for every session.
+        self.executor = executor or ThreadPoolExecutor(max_workers=max(8, max_sessions + 4),
+                                                       thread_name_prefix="target")
         self.drafter_address = drafter_address
         self.draft_stub = draft_pb2_grpc.DraftServiceStub(make_channel(drafter_address)) if drafter_address else None
         self.default_mode = default_mode
         self.draft_timeout = draft_timeout
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
+        self.forward_metrics = None  # callable(BatchInfo) observing each batched forward, with metrics
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -87,7 +90,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             protocol_version=PROTOCOL_VERSION, eos_token_ids=sorted(engine.tokenizer.eos_token_ids),
             max_sessions=engine.limits.max_sessions, max_tree_nodes=engine.limits.max_tree_nodes,
             max_message_bytes=self.max_message_bytes, speculation_available=self.drafter_address is not None,
-            default_mode=self.default_mode)
+            default_mode=self.default_mode, verify_costs=[t.to_proto() for t in engine.cost_tables])
 
     # -- session stream -----------------------------------------------------------------------------
 
@@ -129,7 +132,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits,
                                 draft_ids, draft_logprobs)
             fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
-                          compute_seconds=time.perf_counter() - t0,
+                          compute_seconds=time.perf_counter() - t0, batch_sessions=out.batch.jobs,
+                          batch_rows=out.batch.rows,
                           logits=to_proto(out.logits) if out.logits is not None else None)
             if out.committed is not None:
                 fields.update(committed_fields(engine.sessions.get(m.session_id).capture_layers, out.committed))

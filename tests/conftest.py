@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CPU test run interprets Triton kernels (there is no GPU), so say so before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Services started by the tests cache their start-up cost tables here (one profile per test run), never in ~/.cache.
+os.environ.setdefault("DSPARK_COST_CACHE", tempfile.mkdtemp(prefix="dspark-cost-tables-"))
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
 

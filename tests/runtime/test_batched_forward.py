@@ -1,0 +1,174 @@
+"""A ragged batched forward (several sessions' rows in one pass) against HF on each sequence alone, and the
+StepBatcher that builds such batches from concurrent callers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from dspark_grpc.runtime.batching import StepBatcher
+from dspark_grpc.runtime.checkpoint import load_checkpoint
+from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.transformer import SequenceInput, Transformer
+from runtime_helpers import hf_logits, random_tokens
+from transformers import AutoModelForCausalLM
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama_yarn"])
+def pair(request, tiny_hf_models):
+    path = tiny_hf_models[request.param]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, Transformer.from_checkpoint(load_checkpoint(path, progress=False))
+
+
+# (context length, tree tokens' parents): an AR step, a chain, a branching tree, and a fresh 6-token prefill chunk
+CASES = [(30, [-1]), (7, [-1, 0, 1, 2]), (19, [-1, 0, 0, 1, 2, 2]), (0, None)]
+
+
+def test_batched_forward_matches_hf_per_sequence(pair):
+    hf, ours = pair
+    caches, inputs, expected = [], [], []
+    for i, (context, parents) in enumerate(CASES):
+        prompt = random_tokens(context, seed=10 + i)
+        cache = ours.new_cache()
+        if context:
+            prefill(ours, cache, prompt)
+        if parents is None:  # a prefill chunk: causal rows, logits of the last row only
+            new = random_tokens(6, seed=20 + i)
+            inputs.append(SequenceInput(torch.tensor(new), torch.arange(6), cache, logits_rows=torch.tensor([5]),
+                                        capture_layers=(0,)))
+            full, out = hf_logits(hf, new, output_hidden_states=True)
+            expected.append((full[-1:], out.hidden_states[1][0]))
+        else:
+            new = random_tokens(len(parents), seed=30 + i)
+            inputs.append(tree_input(cache, new, parents, capture_layers=(0,)))
+            rows, hidden = [], []
+            for node in range(len(parents)):  # HF on each root-to-node path, alone
+                path = [node]
+                while parents[path[-1]] >= 0:
+                    path.append(parents[path[-1]])
+                seq = prompt + [new[n] for n in reversed(path)]
+                full, out = hf_logits(hf, seq, output_hidden_states=True)
+                rows.append(full[-1])
+                hidden.append(out.hidden_states[1][0, -1])
+            expected.append((torch.stack(rows), torch.stack(hidden)))
+        caches.append(cache)
+    outputs = ours.forward_batch(inputs)
+    for out, (logits, hidden) in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(out.logits, logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.captures[:, 0], hidden, atol=ATOL, rtol=0)
+    # each cache holds exactly its own new rows, pending
+    for cache, (_, parents) in zip(caches, CASES, strict=True):
+        assert cache.pending == (6 if parents is None else len(parents))
+
+
+def test_batched_decode_equals_each_session_alone(pair):
+    _, ours = pair
+    prompts = [random_tokens(n, seed=n) for n in (5, 23, 11)]
+
+    def alone(prompt: list[int], steps: int) -> list[int]:
+        cache = ours.new_cache()
+        logits, _ = prefill(ours, cache, prompt)
+        out = [int(logits.argmax())]
+        for _ in range(steps):
+            step, _ = verify_tree(ours, cache, [out[-1]], [-1])
+            commit_path(cache, [0])
+            out.append(int(step[0].argmax()))
+        return out
+
+    caches = [ours.new_cache() for _ in prompts]
+    outs = [[int(prefill(ours, c, p)[0].argmax())] for c, p in zip(caches, prompts, strict=True)]
+    for _ in range(12):
+        results = ours.forward_batch([tree_input(c, [o[-1]], [-1]) for c, o in zip(caches, outs, strict=True)])
+        for c, o, r in zip(caches, outs, results, strict=True):
+            c.commit([0])
+            o.append(int(r.logits[0].argmax()))
+    assert outs == [alone(p, 12) for p in prompts]
+
+
+def test_forward_batch_refuses_a_shared_cache_and_bad_input_before_touching_any_cache(pair):
+    _, ours = pair
+    a, b = ours.new_cache(), ours.new_cache()
+    prefill(ours, a, [1, 2, 3])
+    with pytest.raises(ValueError, match="own cache"):
+        ours.forward_batch([tree_input(a, [4], [-1]), tree_input(a, [5], [-1])])
+    with pytest.raises(ValueError, match="token ids"):
+        ours.forward_batch([tree_input(a, [4], [-1]), tree_input(b, [10**6], [-1])])
+    assert a.pending == 0 and b.pending == 0 and a.length == 3
+
+
+def _blocked_batcher():
+    """A batcher whose first batch waits for `release`, so the next callers queue up behind it."""
+    release, batches = threading.Event(), []
+
+    def run_batch(jobs: list[int]) -> list[int]:
+        if not batches:
+            release.wait(10)
+        if any(j < 0 for j in jobs):
+            raise ValueError(f"negative job in {jobs}")
+        batches.append(list(jobs))
+        return [j * 10 for j in jobs]
+
+    return StepBatcher(run_batch, rows=lambda j: 1, max_rows=3), release, batches
+
+
+def _submit_all(batcher: StepBatcher, jobs: list[int]) -> tuple[dict, list[threading.Thread]]:
+    results: dict[int, object] = {}
+
+    def go(j: int) -> None:
+        try:
+            results[j] = batcher.submit(j)
+        except ValueError as e:
+            results[j] = e
+
+    threads = [threading.Thread(target=go, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def _wait_queued(batcher: StepBatcher, n: int) -> None:
+    for _ in range(1000):
+        with batcher._cv:
+            if len(batcher._queue) >= n:
+                return
+        threading.Event().wait(0.005)
+    raise AssertionError("jobs never queued")
+
+
+def test_step_batcher_runs_queued_jobs_together_up_to_max_rows():
+    batcher, release, batches = _blocked_batcher()
+    first, t1 = _submit_all(batcher, [1])
+    _wait_queued(batcher, 0)
+    threading.Event().wait(0.05)  # job 1 is running (blocked)
+    rest, t2 = _submit_all(batcher, [2, 3, 4, 5])
+    _wait_queued(batcher, 4)
+    release.set()
+    for t in t1 + t2:
+        t.join(10)
+    assert batches[0] == [1]
+    assert len(batches[1]) == 3 and len(batches[2]) == 1  # max_rows 3
+    assert sorted(j for b in batches[1:] for j in b) == [2, 3, 4, 5]
+    for j, (value, info) in {**first, **rest}.items():
+        assert value == j * 10
+        assert info.jobs == next(len(b) for b in batches if j in b)
+    batcher.close()
+
+
+def test_step_batcher_fails_only_the_bad_job():
+    batcher, release, batches = _blocked_batcher()
+    first, t1 = _submit_all(batcher, [1])
+    threading.Event().wait(0.05)
+    rest, t2 = _submit_all(batcher, [2, -3, 4])
+    _wait_queued(batcher, 3)
+    release.set()
+    for t in t1 + t2:
+        t.join(10)
+    assert isinstance(rest[-3], ValueError)
+    assert rest[2][0] == 20 and rest[4][0] == 40 and first[1][0] == 10
+    batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit(1)
