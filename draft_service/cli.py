@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 
 import torch
+from dspark_grpc.client.cost_table import default_cache_dir
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
@@ -37,6 +39,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
+    s.add_argument("--cost-cache", default=None,
+                   help="directory of the start-up proposal cost tables (reused while drafter, dtype, threads and "
+                        "device are unchanged); default: $DSPARK_COST_CACHE or ~/.cache/dspark-grpc/cost-tables")
+    s.add_argument("--no-cost-profile", action="store_true",
+                   help="publish no proposal cost tables (skips the few seconds of profiling at start-up)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
+                        "a free port")
     add_serve_arguments(s, default_port=50052)
     return p
 
@@ -46,14 +56,29 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    servicer = DraftServicer(max_message_bytes=args.max_message_bytes)
+    servicer = DraftServicer(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions)
+    metrics = None
+    if args.metrics_port is not None:
+        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
+
+        metrics = DraftServiceMetrics()
+        server = metrics.serve(args.metrics_port, addr=args.host)
+        print(f"[dspark-draft] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                          max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
                          default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
     def load() -> None:
-        servicer.engine = DraftEngine.load(args.drafter, args.target_model, dtype=getattr(torch, args.dtype),
-                                           limits=limits, progress=not args.quiet, seed=args.seed)
+        engine = DraftEngine.load(args.drafter, args.target_model, dtype=getattr(torch, args.dtype), limits=limits,
+                                  progress=not args.quiet, seed=args.seed)
+        if engine.drafter is not None and not args.no_cost_profile:
+            t0 = time.perf_counter()
+            tables = engine.profile_costs(args.cost_cache or default_cache_dir())
+            for t in tables:
+                print(f"[dspark-draft] propose cost, {t.key.lanes} lane(s): {t.describe()}", flush=True)
+            print(f"[dspark-draft] cost tables ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        engine.metrics = metrics
+        servicer.engine = engine
 
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),

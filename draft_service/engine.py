@@ -6,18 +6,34 @@ projected into the drafter's context K/V. A proposal drafts after the anchor (th
 position = context length). Proposers: "dspark" (the drafter's chain or DDTree), "ngram" (prompt lookup; needs
 no checkpoint) and "hybrid" (n-gram branches merged into the DSpark tree under one node budget; for a chain, the
 n-gram continuation where the context repeats itself, the DSpark chain elsewhere).
+
+Concurrent DSpark proposals of different sessions share one drafter pass: their block forwards go through a
+StepBatcher (one worker thread runs whatever is queued as one `Drafter.forward_blocks`); each session's chain or
+tree is then built in its own caller thread. A per-session lock keeps a session's appends, truncations and
+proposals from interleaving.
+
+Start-up cost tables (`profile_costs`): seconds of one proposal round in which `lanes` sessions (1, 2, 4) share a
+drafter pass, by budget (the DSpark chain at its block size, trees of 4..32 nodes). A prompt-lookup-only service
+publishes none: an n-gram proposal is a few dictionary look-ups (microseconds), so a planner should count it free.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from dspark_grpc.client.cost_table import CostKey, CostTable, load_or_profile
+from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
+from dspark_grpc.runtime.cost_profile import draft_key, time_sizes
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
-from dspark_grpc.runtime.drafter import DraftContext, Drafter
+from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
 from dspark_grpc.runtime.markov import draft_chain
@@ -31,6 +47,7 @@ from dspark_grpc.runtime.ngram import (
     merge_trees,
     ngram_tree,
 )
+from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
@@ -60,6 +77,7 @@ class DraftLimits:
 class DraftSession:
     context: DraftContext | None  # None without a DSpark drafter
     index: NgramIndex
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one operation of the session at a time
 
     @property
     def tokens(self) -> list[int]:
@@ -80,6 +98,9 @@ class ProposalResult:
     # A sampled chain: the sparse distribution node k was drawn from, in row k-1 ([n, k] target ids, log-probs).
     draft_ids: torch.Tensor | None = None
     draft_logprobs: torch.Tensor | None = None
+    batch_sessions: int = 0  # sessions that shared its drafter pass (0: no drafter pass)
+    proposer: str = ""  # the proposer that ran (the request's, or the default)
+    compute_seconds: float = 0.0
 
 
 class DraftEngine:
@@ -97,7 +118,21 @@ class DraftEngine:
             raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
                              f"available: {self.proposers}")
         self.sessions: SessionStore[DraftSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
-        self._compute = threading.Lock()
+        self.metrics: DraftServiceMetrics | None = None
+        self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
+        self._passes: StepBatcher[tuple[DraftContext, int], BlockOutput] | None = None
+        if drafter is not None:
+            B = drafter.config.block_size
+            self._passes = StepBatcher(drafter.forward_blocks, rows=lambda job: B, max_rows=B * limits.max_sessions,
+                                       name="drafter-pass", on_batch=self._observe_pass)
+
+    def close(self) -> None:
+        if self._passes is not None:
+            self._passes.close()
+
+    def _observe_pass(self, info: BatchInfo) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_forward(info.jobs, info.rows, info.seconds)
 
     @classmethod
     def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
@@ -154,6 +189,11 @@ class DraftEngine:
                features: torch.Tensor | None) -> int:
         """Rows [start, start + n). Rows already held must be identical (idempotent); a gap is refused."""
         s = self.sessions.get(session_id)
+        with s.lock:
+            return self._append(s, start, tokens, layer_ids, features)
+
+    def _append(self, s: DraftSession, start: int, tokens: list[int], layer_ids: list[int],
+                features: torch.Tensor | None) -> int:
         n = len(tokens)
         if start < 0:
             raise InvalidArgument(f"start_position must be >= 0, got {start}")
@@ -171,8 +211,7 @@ class DraftEngine:
                                      "truncate the context first")
         if overlap < n:
             if s.context is not None:
-                with self._compute:
-                    s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
+                s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
             s.index.extend(tokens[overlap:])
         return s.length
 
@@ -192,12 +231,13 @@ class DraftEngine:
 
     def truncate(self, session_id: str, length: int) -> int:
         s = self.sessions.get(session_id)
-        if not 0 <= length <= s.length:
-            raise InvalidArgument(f"truncate length must be in [0, {s.length}], got {length}")
-        if s.context is not None:
-            s.context.truncate(length)
-        s.index.truncate(length)
-        return s.length
+        with s.lock:
+            if not 0 <= length <= s.length:
+                raise InvalidArgument(f"truncate length must be in [0, {s.length}], got {length}")
+            if s.context is not None:
+                s.context.truncate(length)
+            s.index.truncate(length)
+            return s.length
 
     # -- proposals ----------------------------------------------------------------------------------
 
@@ -206,6 +246,18 @@ class DraftEngine:
                 generator: torch.Generator | None = None, proposer: str = "") -> ProposalResult:
         s = self.sessions.get(session_id)
         proposer = proposer or self.default_proposer
+        t0 = time.perf_counter()
+        with s.lock:
+            out = self._propose(s, anchor_token, anchor_position, tree, budget, kernel, temperature, generator,
+                                proposer)
+        out.proposer, out.compute_seconds = proposer, time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.observe_proposal(proposer, "tree" if tree else "chain", len(out.tokens) - 1,
+                                          out.compute_seconds)
+        return out
+
+    def _propose(self, s: DraftSession, anchor_token: int, anchor_position: int, tree: bool, budget: int,
+                 kernel: str, temperature: float, generator: torch.Generator | None, proposer: str) -> ProposalResult:
         if proposer not in self.proposers:
             raise InvalidArgument(f"proposer {proposer!r} is not available here; this drafter offers {self.proposers}")
         if not 0 <= anchor_token < self.vocab_size:
@@ -247,7 +299,7 @@ class DraftEngine:
             merged, sources = merge_trees(DraftTree(dspark.tokens, dspark.parents, dspark.logprobs,
                                                     tree_depths(dspark.parents)), candidates, budget)
             return ProposalResult(merged.tokens, merged.parents, merged.logprobs, dspark.confidences,
-                                  [_SOURCE_NAMES[x] for x in sources])
+                                  [_SOURCE_NAMES[x] for x in sources], batch_sessions=dspark.batch_sessions)
         return dspark
 
     def _dspark(self, s: DraftSession, anchor_token: int, tree: bool, budget: int, kernel: str, temperature: float,
@@ -259,22 +311,97 @@ class DraftEngine:
         if kernel == "fused" and not triton_runnable(d.device):
             raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
                                      "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
-        with self._compute:
-            out = d.forward_block(s.context, anchor_token)
-            if tree:
-                t = build_ddtree(out.base_logits, anchor_token, budget, self.limits.tree_top_k, markov=d.markov,
-                                 hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
-                chain = draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
-                                    d.markov, d.confidence, d.d2t, kernel=kernel)
-                return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
-                                      ["", *["dspark"] * (len(t.tokens) - 1)])
-            chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
-                                anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
-                                generator=generator, sample_top_k=self.limits.sample_top_k)
-        tokens = [anchor_token, *chain.tokens]
-        return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
-                              chain.confidences, ["", *["dspark"] * chain.logprobs.numel()], chain.draft_ids,
-                              chain.draft_logprobs)
+        assert self._passes is not None and s.context is not None
+        out, info = self._passes.submit((s.context, anchor_token))
+        result = dspark_proposal(d, out, anchor_token, tree, budget, kernel, temperature, generator, self.limits)
+        result.batch_sessions = info.jobs
+        return result
+
+    # -- cost tables --------------------------------------------------------------------------------
+
+    def profile_costs(self, cache_dir: str | Path | None, lanes: tuple[int, ...] = (1, 2, 4),
+                      tree_budgets: tuple[int, ...] = (4, 8, 16, 32), context: int = 128, repeats: int = 3,
+                      max_seconds: float = 2.0) -> list[CostTable]:
+        """One proposal cost table per lane count, loaded from `cache_dir` when an earlier start saved it (None:
+        always profile, save nothing); kept in `propose_costs`.
+
+        sizes = proposal budgets: the chain at num_drafts (where that is also a tree budget, the tree, which runs
+        the chain as well) and the tree budgets up to the limit. seconds[i] = one round in which `lanes` sessions
+        share a drafter pass and then each builds its chain/tree of sizes[i]: the pass (timed at each lane
+        count) + lanes x one session's chain/tree (timed per size). Sessions build theirs in their own threads,
+        so the sum is an upper bound where those overlap. Each table stays monotone in size, and seconds never
+        fall as lanes grow. Profiling runs `repeats` rounds after a warm-up, fewer past `max_seconds`."""
+        d = self.drafter
+        if d is None:
+            self.propose_costs = []
+            return []
+        budgets = {b for b in tree_budgets if b <= self.limits.max_tree_budget}
+        sizes = sorted(budgets | {d.config.num_drafts})
+        lanes = tuple(sorted(set(lanes)))
+        name = f"dspark:{drafter_fingerprint(d)}:{self.limits.default_kernel}:top{self.limits.tree_top_k}"
+        dtype = str(d.dtype).removeprefix("torch.")
+        keys = [draft_key(self.target_fingerprint[0], name, dtype, d.device, context=context, lanes=n) for n in lanes]
+        measured: dict[int, CostTable] = {}
+
+        def profile(key: CostKey) -> CostTable:  # the first table the cache lacks measures them all
+            if not measured:
+                pass_s, post_s, info = self._measure(lanes, sizes, budgets, context, repeats, max_seconds)
+                floor = [0.0] * len(sizes)
+                for k, n in zip(keys, lanes, strict=True):
+                    floor = [max(f, pass_s[n] + n * post_s[size]) for f, size in zip(floor, sizes, strict=True)]
+                    measured[n] = CostTable(k, sizes, floor, info=info)
+            return measured[key.lanes]
+
+        self.propose_costs = [load_or_profile(cache_dir, key, lambda key=key: profile(key)) for key in keys]
+        return self.propose_costs
+
+    def _measure(self, lanes: tuple[int, ...], sizes: list[int], tree_budgets: set[int], context: int, repeats: int,
+                 max_seconds: float) -> tuple[dict[int, float], dict[int, float], dict]:
+        """Median seconds of a drafter pass by lanes, and of one session's chain/tree by budget, over `context`
+        random context rows per session."""
+        d, gen = self.drafter, torch.Generator().manual_seed(0)
+        c = d.config
+        contexts = []
+        for _ in range(max(lanes)):
+            ctx = d.new_context(max_length=context + c.block_size, initial_capacity=context + c.block_size)
+            ctx.append(torch.randn(context, len(c.target_layer_ids), c.target_hidden_size, generator=gen), 0)
+            contexts.append(ctx)
+        anchor = int(torch.randint(self.vocab_size, (1,), generator=gen))
+        sync = torch.cuda.synchronize if d.device.type == "cuda" else lambda: None
+        pass_s, pass_info = time_sizes(lambda n: d.forward_blocks([(x, anchor) for x in contexts[:n]]), lanes,
+                                       repeats, sync=sync, max_seconds=max_seconds / 2)
+        out = d.forward_block(contexts[0], anchor)
+        post_s, post_info = time_sizes(
+            lambda b: dspark_proposal(d, out, anchor, b in tree_budgets, b, self.limits.default_kernel, 0.0, None,
+                                      self.limits), sizes, repeats, sync=sync, max_seconds=max_seconds / 2)
+        info = {"pass": pass_info, "proposal": post_info, "pass_seconds": dict(zip(lanes, pass_s, strict=True)),
+                "round": "pass(lanes) + lanes x proposal(size)"}
+        return dict(zip(lanes, pass_s, strict=True)), dict(zip(sizes, post_s, strict=True)), info
+
+
+def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool, budget: int, kernel: str,
+                    temperature: float, generator: torch.Generator | None, limits: DraftLimits) -> ProposalResult:
+    """One session's DSpark chain (the first `budget` slots) or DDTree (`budget` nodes) from its block output."""
+    if tree:
+        t = build_ddtree(out.base_logits, anchor_token, budget, limits.tree_top_k, markov=d.markov,
+                         hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
+        chain = draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token, d.markov,
+                            d.confidence, d.d2t, kernel=kernel)
+        return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
+                              ["", *["dspark"] * (len(t.tokens) - 1)])
+    chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
+                        anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
+                        generator=generator, sample_top_k=limits.sample_top_k)
+    tokens = [anchor_token, *chain.tokens]
+    return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
+                          chain.confidences, ["", *["dspark"] * chain.logprobs.numel()], chain.draft_ids,
+                          chain.draft_logprobs)
+
+
+def drafter_fingerprint(drafter: Drafter) -> str:
+    """sha256 of the drafter's configuration (its shape; what its step cost depends on)."""
+    canonical = json.dumps(dataclasses.asdict(drafter.config), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
 _SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: "dspark", SOURCE_NGRAM: "ngram", SOURCE_BOTH: "hybrid"}

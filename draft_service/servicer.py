@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,10 +22,12 @@ _PROPOSER_NAMES = {v: k for k, v in _PROPOSERS.items()}
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, max_message_bytes: int, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, max_message_bytes: int, executor: ThreadPoolExecutor | None = None,
+                 max_sessions: int = 16) -> None:
         self.engine: DraftEngine | None = None  # set once the drafter is loaded
         self.max_message_bytes = max_message_bytes
-        self.executor = executor or ThreadPoolExecutor(max_workers=8, thread_name_prefix="draft")
+        # a thread per live session (each may wait for its shared drafter pass) and a few for quick operations
+        self.executor = executor or ThreadPoolExecutor(max_workers=max_sessions + 4, thread_name_prefix="draft")
 
     def ready_engine(self) -> DraftEngine:
         if self.engine is None:
@@ -44,7 +45,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
             proposers=[_PROPOSERS[p] for p in engine.proposers], default_proposer=_PROPOSERS[engine.default_proposer],
             max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
-            max_message_bytes=self.max_message_bytes)
+            max_message_bytes=self.max_message_bytes, propose_costs=[t.to_proto() for t in engine.propose_costs])
         if c is not None:  # a DSpark drafter (prompt lookup alone needs no features)
             info.MergeFrom(draft_pb2.GetDrafterInfoResponse(
                 block_size=c.block_size, target_layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,
@@ -96,7 +97,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 raise InvalidArgument(f"sampling.temperature must be >= 0, got {m.sampling.temperature}")
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
-            t0 = time.perf_counter()
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
                                  kernel=_KERNELS.get(m.kernel, ""), temperature=m.sampling.temperature,
                                  generator=generator, proposer=_PROPOSER_NAMES[m.proposer])
@@ -110,7 +110,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return dict(proposal=draft_pb2.Proposal(
                 tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
                 node_proposers=[_PROPOSERS[x] for x in out.sources],
-                compute_seconds=time.perf_counter() - t0))
+                compute_seconds=out.compute_seconds, batch_sessions=out.batch_sessions))
         if op == "truncate":
             length = engine.truncate(request.truncate.session_id, request.truncate.length)
             return dict(truncated=draft_pb2.ContextTruncated(length=length))

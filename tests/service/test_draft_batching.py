@@ -1,0 +1,218 @@
+"""The draft engine in-process: concurrent sessions share drafter passes without cross-talk, a session's own
+operations never interleave, and the start-up proposal cost tables are profiled once and then loaded."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from dspark_grpc.draft_service import engine as engine_module
+from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.runtime.drafter_formats import init_random_drafter
+
+from tests.drafter.helpers import random_features
+from tests.drafter.test_drafter_forward import TARGET
+
+FINGERPRINT = ("m" * 64, "t" * 64)
+
+
+def tiny_engine(**limits) -> DraftEngine:
+    drafter = init_random_drafter(TARGET, num_layers=2, block_size=5, target_layer_ids=(1, 4), seed=9,
+                                  layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+    return DraftEngine(drafter.eval().requires_grad_(False), TARGET.vocab_size, FINGERPRINT, "tiny",
+                       DraftLimits(max_sessions=8, **limits))
+
+
+def open_with_context(engine: DraftEngine, n: int, seed: int) -> str:
+    sid = engine.open_session(FINGERPRINT)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(TARGET.vocab_size, (n,), generator=g).tolist()
+    tokens[n // 2:] = tokens[: n - n // 2]  # a repeat, so prompt lookup has something to match
+    features = random_features(engine.config, n, seed=seed)
+    assert engine.append(sid, 0, tokens, list(engine.config.target_layer_ids), features) == n
+    return sid
+
+
+# (context rows, anchor, propose kwargs): different lengths, chains, trees, hybrid and a seeded sampled chain
+REQUESTS = [
+    (4, 7, dict(proposer="dspark")),
+    (19, 300, dict(proposer="dspark", tree=True, budget=6)),
+    (11, 7, dict(proposer="hybrid", tree=True, budget=9)),
+    (8, 42, dict(proposer="dspark", temperature=0.8, seed=5)),
+]
+
+
+def propose(engine: DraftEngine, sid: str, anchor: int, position: int, kwargs: dict):
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return engine.propose(sid, anchor, position, kernel="torch", generator=generator, **kwargs)
+
+
+class Gate:
+    """Holds the first drafter pass until `waiting` more proposals are queued behind it (so they share the
+    next pass), and logs when passes end."""
+
+    def __init__(self, engine: DraftEngine, waiting: int, release: threading.Event | None = None) -> None:
+        self.batcher, self.run, self.waiting = engine._passes, engine._passes.run_batch, waiting
+        self.release, self.first, self.log = release, True, []
+        self.batcher.run_batch = self
+
+    def __call__(self, jobs):
+        if self.first:
+            self.first = False
+            deadline = time.monotonic() + 120
+            while len(self.batcher._queue) < self.waiting:
+                assert time.monotonic() < deadline, "the other proposals never queued"
+                time.sleep(0.005)
+            if self.release is not None:
+                assert self.release.wait(120)
+        out = self.run(jobs)
+        self.log.append(("pass", len(jobs)))
+        return out
+
+
+def run_threads(targets) -> list:
+    results, errors = [None] * len(targets), []
+
+    def call(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_concurrent_sessions_share_a_pass_and_propose_what_each_proposes_alone():
+    engine = tiny_engine()
+    sids = [open_with_context(engine, n, seed) for seed, (n, _, _) in enumerate(REQUESTS)]
+    alone = [propose(engine, sid, anchor, n, kw) for sid, (n, anchor, kw) in zip(sids, REQUESTS, strict=True)]
+    assert [r.batch_sessions for r in alone] == [1, 1, 1, 1]
+    gate = Gate(engine, waiting=len(REQUESTS) - 1)
+    together = run_threads([lambda sid=sid, n=n, a=anchor, kw=kw: propose(engine, sid, a, n, kw)
+                            for sid, (n, anchor, kw) in zip(sids, REQUESTS, strict=True)])
+    assert gate.log == [("pass", 1), ("pass", 3)]  # one proposal ran alone, three shared the next pass
+    assert sorted(r.batch_sessions for r in together) == [1, 3, 3, 3]
+    for a, b in zip(alone, together, strict=True):
+        assert (b.tokens, b.parents, b.sources) == (a.tokens, a.parents, a.sources)
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.confidences, a.confidences, rtol=1e-5, atol=1e-5)
+    assert together[3].draft_ids is not None and torch.equal(together[3].draft_ids, alone[3].draft_ids)
+    assert len({tuple(r.tokens[1:]) for r in together}) == 4  # each session drafted from its own context
+    assert {r.proposer for r in together} == {"dspark", "hybrid"}
+    engine.close()
+
+
+def test_an_append_waits_for_its_sessions_proposal_but_not_for_others():
+    engine = tiny_engine()
+    a, b = open_with_context(engine, 6, 1), open_with_context(engine, 9, 2)
+    expected = propose(engine, a, 3, 6, {"proposer": "dspark"})
+    layers, more = list(engine.config.target_layer_ids), random_features(engine.config, 3, seed=7)
+    release = threading.Event()
+    gate = Gate(engine, waiting=0, release=release)
+    proposing = threading.Thread(target=lambda: gate.log.append(("result", propose(engine, a, 3, 6,
+                                                                                   {"proposer": "dspark"}))))
+    proposing.start()
+    while not engine._passes._queue and gate.first:  # until the proposal is in (or waiting at) the gate
+        time.sleep(0.005)
+    # another session is not held up by session a's pass
+    assert engine.append(b, 9, [1, 2, 3], layers, more) == 12
+    appending = threading.Thread(target=lambda: gate.log.append(("appended", engine.append(a, 6, [1, 2, 3], layers,
+                                                                                          more))))
+    appending.start()
+    appending.join(timeout=0.3)  # a chance to run; it must wait for session a's proposal
+    release.set()
+    proposing.join()
+    appending.join()
+    kinds = [entry[0] for entry in gate.log]
+    assert kinds.index("pass") < kinds.index("appended"), gate.log
+    result = next(entry[1] for entry in gate.log if entry[0] == "result")
+    assert result.tokens == expected.tokens  # drafted from the 6 rows it was asked about
+    assert ("appended", 9) in gate.log
+    engine.close()
+
+
+def test_prompt_lookup_proposals_run_no_drafter_pass():
+    engine = tiny_engine()
+    sid = open_with_context(engine, 12, 3)
+    out = engine.propose(sid, 5, 12, proposer="ngram")
+    assert out.batch_sessions == 0 and out.proposer == "ngram" and set(out.sources[1:]) <= {"ngram"}
+    engine.close()
+
+
+def _nondecreasing(values) -> bool:
+    return all(x <= y for x, y in zip(values, values[1:], strict=False))
+
+
+def test_cost_tables_are_profiled_once_then_loaded(tmp_path, monkeypatch):
+    calls = []
+
+    def counting_time_sizes(*args, **kwargs):
+        calls.append(list(args[1]))
+        return real(*args, **kwargs)
+
+    real = engine_module.time_sizes
+    monkeypatch.setattr(engine_module, "time_sizes", counting_time_sizes)
+    first = tiny_engine(max_tree_budget=16).profile_costs(tmp_path, repeats=1, max_seconds=0.5)
+    assert calls == [[1, 2, 4], [4, 5, 8, 16]]  # drafter passes by lanes, then proposals by budget
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 3 and all(f.name.startswith("draft-lanes") for f in files)
+    stamps = {f: os.stat(f).st_mtime_ns for f in files}
+
+    calls.clear()
+    second = tiny_engine(max_tree_budget=16)
+    assert second.profile_costs(tmp_path) == second.propose_costs
+    assert calls == []  # loaded, not profiled
+    assert {f: os.stat(f).st_mtime_ns for f in tmp_path.iterdir()} == stamps
+    assert [(t.key, t.sizes, t.seconds) for t in second.propose_costs] == [(t.key, t.sizes, t.seconds)
+                                                                           for t in first]
+    assert [t.key.lanes for t in first] == [1, 2, 4]
+    for t in first:
+        assert t.sizes == [4, 5, 8, 16] and t.key.kind == "draft" and _nondecreasing(t.seconds)
+        assert t.key.drafter.startswith("dspark:") and t.key.model == FINGERPRINT[0]
+    for i in range(4):  # more sessions per pass never make a round cheaper
+        assert _nondecreasing([t.seconds[i] for t in first])
+
+    tiny_engine(max_tree_budget=16, tree_top_k=4).profile_costs(tmp_path, repeats=1, max_seconds=0.5)
+    assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 6  # another key: profiled again
+
+
+def test_prompt_lookup_only_publishes_no_cost_table(tmp_path):
+    engine = DraftEngine(None, TARGET.vocab_size, FINGERPRINT, "ngram", DraftLimits())
+    assert engine.profile_costs(tmp_path) == [] and engine.propose_costs == []
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("proposer", ["dspark", "ngram"])
+def test_metrics_count_proposals_and_passes(proposer):
+    pytest.importorskip("prometheus_client")
+    from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
+
+    engine = tiny_engine()
+    engine.metrics = metrics = DraftServiceMetrics()
+    sid = open_with_context(engine, 10, 4)
+    out = engine.propose(sid, 9, 10, proposer=proposer, tree=True, budget=5)
+    engine.propose(sid, 9, 10, proposer=proposer)
+    r = metrics.registry
+    labels = {"proposer": proposer, "kind": "tree"}
+    assert r.get_sample_value("dspark:draft_proposals_total", labels) == 1
+    assert r.get_sample_value("dspark:draft_proposed_tokens_total", labels) == len(out.tokens) - 1
+    assert r.get_sample_value("dspark:draft_proposal_seconds_count", labels) == 1
+    assert r.get_sample_value("dspark:draft_proposals_total", {"proposer": proposer, "kind": "chain"}) == 1
+    passes = 2 if proposer == "dspark" else None  # prompt lookup runs no drafter pass
+    assert r.get_sample_value("dspark:drafter_forward_sessions_count") == (passes or 0)
+    if passes:
+        assert r.get_sample_value("dspark:drafter_forward_sessions_sum") == 2
+        assert r.get_sample_value("dspark:drafter_forward_rows_sum") == 2 * engine.config.block_size
+    engine.close()
