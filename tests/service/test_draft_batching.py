@@ -4,17 +4,26 @@ operations never interleave, and the start-up proposal cost tables are profiled 
 from __future__ import annotations
 
 import os
+import queue
+import re
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
+import grpc
 import pytest
 import torch
 from dspark_grpc.draft_service import engine as engine_module
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.tensor_codec import to_proto
 
 from tests.drafter.helpers import random_features
 from tests.drafter.test_drafter_forward import TARGET
+from tests.service.test_draft_service import DraftSession
 
 FINGERPRINT = ("m" * 64, "t" * 64)
 
@@ -216,3 +225,115 @@ def test_metrics_count_proposals_and_passes(proposer):
         assert r.get_sample_value("dspark:drafter_forward_sessions_sum") == 2
         assert r.get_sample_value("dspark:drafter_forward_rows_sum") == 2 * engine.config.block_size
     engine.close()
+
+
+# -- the service over gRPC ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def metered_drafter(tmp_path_factory):
+    """`dspark-draft serve --drafter random --metrics-port 0` with its cost cache in a tmp dir: (gRPC address,
+    metrics URL, cost cache dir)."""
+    cache = tmp_path_factory.mktemp("cost-cache")
+    cmd = [sys.executable, "-m", "dspark_grpc.draft_service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--drafter", "random", "--seed", "0", "--max-sessions", "4", "--metrics-port", "0", "--cost-cache",
+           str(cache), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:  # keeps the pipe drained while the service runs
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    found: dict[str, str] = {}
+    try:
+        while "serving" not in found:
+            line = lines.get(timeout=300)
+            assert line is not None, f"the draft service exited with {proc.wait()}"
+            for name, pattern in (("metrics", r"metrics at (http://\S+/metrics)"), ("serving", r"SERVING on (\S+)")):
+                if m := re.search(pattern, line):
+                    found[name] = m.group(1)
+        yield found["serving"], found["metrics"], cache
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def grpc_session(address: str, info, n: int, seed: int):
+    s = DraftSession(address)
+    sid = s.ok(open=draft_pb2.OpenDraft(target=info.target)).session_id
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, len(info.target_layer_ids), 576, generator=g)
+    capture = common_pb2.HiddenCapture(layer_ids=info.target_layer_ids, start_position=0, rows=to_proto(rows))
+    tokens = torch.randint(info.vocab_size, (n,), generator=g).tolist()
+    assert s.ok(append=draft_pb2.AppendContext(session_id=sid, start_position=0, tokens=tokens,
+                                               capture=capture)).length == n
+    return s, sid
+
+
+def test_service_publishes_cost_tables_and_batches_sessions_without_cross_talk(metered_drafter):
+    address, _, cache = metered_drafter
+    with grpc.insecure_channel(address) as channel:
+        info = draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=60)
+    assert [t.lanes for t in info.propose_costs] == [1, 2, 4]
+    for t in info.propose_costs:
+        assert info.block_size in t.sizes and list(t.sizes) == sorted(set(t.sizes)) and _nondecreasing(t.seconds)
+    assert len(list(cache.iterdir())) == 3  # saved in the cache dir it was given
+
+    sessions = [grpc_session(address, info, n, seed) for seed, n in enumerate((5, 23, 12))]
+    kinds = [draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE, draft_pb2.PROPOSAL_KIND_CHAIN]
+
+    def propose(i: int):
+        s, sid = sessions[i]
+        n = (5, 23, 12)[i]
+        return s.ok(propose=draft_pb2.Propose(session_id=sid, anchor_token=100 + i, anchor_position=n, kind=kinds[i],
+                                              budget=7 if kinds[i] == draft_pb2.PROPOSAL_KIND_TREE else 0,
+                                              proposer=draft_pb2.PROPOSER_DSPARK,
+                                              kernel=draft_pb2.KERNEL_CHOICE_TORCH))
+
+    together = run_threads([lambda i=i: propose(i) for i in range(3)])
+    alone = [propose(i) for i in range(3)]
+    for a, b in zip(alone, together, strict=True):
+        assert list(b.tree.tokens) == list(a.tree.tokens) and list(b.tree.parents) == list(a.tree.parents)
+        assert a.batch_sessions == 1 and 1 <= b.batch_sessions <= 3
+    for s, _ in sessions:
+        s.close()
+
+
+def test_service_metrics_count_proposals_and_passes(metered_drafter):
+    address, url, _ = metered_drafter
+    with grpc.insecure_channel(address) as channel:
+        info = draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=60)
+    before = scrape(url)
+    s, sid = grpc_session(address, info, 9, 4)
+    chain = s.ok(propose=draft_pb2.Propose(session_id=sid, anchor_token=3, anchor_position=9,
+                                           proposer=draft_pb2.PROPOSER_DSPARK))
+    ngram = s.ok(propose=draft_pb2.Propose(session_id=sid, anchor_token=3, anchor_position=9,
+                                           proposer=draft_pb2.PROPOSER_NGRAM, kind=draft_pb2.PROPOSAL_KIND_TREE))
+    s.close()
+    assert chain.batch_sessions == 1 and ngram.batch_sessions == 0
+    after = scrape(url)
+
+    def moved(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert moved("dspark:draft_proposals_total", proposer="dspark", kind="chain") == 1
+    assert moved("dspark:draft_proposals_total", proposer="ngram", kind="tree") == 1
+    assert moved("dspark:draft_proposed_tokens_total", proposer="dspark", kind="chain") == len(chain.tree.tokens) - 1
+    assert moved("dspark:draft_proposal_seconds_count", proposer="dspark", kind="chain") == 1
+    assert moved("dspark:drafter_forward_sessions_count") == 1  # the n-gram proposal ran no drafter pass
+    assert moved("dspark:drafter_forward_rows_sum") == info.block_size
+    assert moved("dspark:drafter_forward_seconds_sum") > 0
