@@ -6,11 +6,13 @@ in-process. It only speaks dspark.v1 messages, so it needs no torch.
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dspark_grpc.client.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 
 PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
@@ -86,52 +88,6 @@ class DraftOps(Protocol):
              ) -> draft_pb2.DraftSessionResponse: ...
 
 
-class AdaptiveGate:
-    """Speculate only while it pays, from online measurements of this request: seconds per AR step vs seconds
-    and committed tokens per speculative step (draft + verify). Until both are measured it tries each once;
-    after speculation stops paying it re-probes every `probe_every` AR steps, since text that repeats itself
-    (or a drafter that warms up) can change the answer. A placeholder for the profiled cost tables and
-    confidence-based planning of the scheduling issue."""
-
-    def __init__(self, alpha: float = 0.3, margin: float = 1.05, probe_every: int = 16) -> None:
-        self.alpha, self.margin, self.probe_every = alpha, margin, probe_every
-        self.ar_time: float | None = None
-        self.spec_time: float | None = None
-        self.spec_tokens: float | None = None
-        self.since_probe = 0
-        self.speculating = True
-        self.switches: list[str] = []
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def want_draft(self) -> bool:
-        if self.spec_time is None:
-            return True
-        if self.ar_time is None:
-            return False
-        if self.speculating:
-            return True
-        self.since_probe += 1
-        return self.since_probe >= self.probe_every
-
-    def observe(self, drafted: bool, seconds: float, committed: int, step: int) -> None:
-        if drafted:
-            self.spec_time = self._ema(self.spec_time, seconds)
-            self.spec_tokens = self._ema(self.spec_tokens, committed)
-            self.since_probe = 0
-        else:
-            self.ar_time = self._ema(self.ar_time, seconds)
-        if self.spec_time is None or self.ar_time is None:
-            return
-        pays = self.spec_tokens / self.spec_time > self.margin / self.ar_time
-        if pays != self.speculating:
-            self.speculating = pays
-            rate = self.spec_tokens / self.spec_time * self.ar_time
-            self.switches.append(f"step {step}: {'speculation' if pays else 'AR'} ({rate:.2f} tokens per AR-step "
-                                 "time when drafting)")
-
-
 @dataclass
 class SpeculationConfig:
     drafter: DraftOps
@@ -140,8 +96,21 @@ class SpeculationConfig:
     budget: int = 0  # 0 = the drafter's default (its whole block for a chain)
     kernel: int = draft_pb2.KERNEL_CHOICE_UNSPECIFIED
     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED  # the drafter's default
-    adaptive: bool = False  # draft only while it pays (AdaptiveGate)
+    adaptive: bool = False  # plan each step (client.planner.StepPlanner)
     timeout_s: float = 10.0  # per drafter call; slower means the drafter is treated as failed
+    verify_costs: Sequence[common_pb2.CostTable] = ()  # the target's start-up cost tables, for the planner
+    memory: PlannerMemory | None = None  # planner estimates shared across requests
+
+    def planner_arms(self) -> list[int]:
+        """Proposers the adaptive planner chooses among: the one asked for, else the drafter's default and
+        (when it is not the default) the nearly free prompt lookup."""
+        if self.proposer != draft_pb2.PROPOSER_UNSPECIFIED:
+            return [self.proposer]
+        default = self.info.default_proposer or draft_pb2.PROPOSER_DSPARK
+        arms = [default]
+        if default != draft_pb2.PROPOSER_NGRAM and draft_pb2.PROPOSER_NGRAM in self.info.proposers:
+            arms.append(draft_pb2.PROPOSER_NGRAM)
+        return arms
 
 
 class Speculator:
@@ -189,7 +158,8 @@ class Speculator:
             op.capture.CopyFrom(capture)
         self._guard("append", append=op)
 
-    def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams) -> draft_pb2.Proposal | None:
+    def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams,
+                proposer: int | None = None) -> draft_pb2.Proposal | None:
         if sampling.HasField("seed"):
             # The drafter's coins must be independent of the target's (both seeded from the request's seed) for
             # rejection sampling to stay exact, and fresh at every step: derive a per-position seed.
@@ -197,7 +167,8 @@ class Speculator:
                                                  top_k=sampling.top_k, seed=_draft_seed(sampling.seed, position))
         proposal = self._guard("propose", propose=draft_pb2.Propose(
             session_id=self.session_id, anchor_token=anchor, anchor_position=position, kind=self.spec.kind,
-            budget=self.spec.budget, kernel=self.spec.kernel, proposer=self.spec.proposer, sampling=sampling))
+            budget=self.spec.budget, kernel=self.spec.kernel,
+            proposer=self.spec.proposer if proposer is None else proposer, sampling=sampling))
         if proposal is None:
             return None
         if not proposal.tree.tokens or proposal.tree.tokens[0] != anchor:
@@ -226,7 +197,9 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
         return checked(target.call(target_pb2.TargetSessionRequest(request_id=next(ids), **op)))
 
     drafter = Speculator(speculation) if speculation is not None else None
-    gate = AdaptiveGate() if speculation is not None and speculation.adaptive else None
+    planner = None
+    if speculation is not None and speculation.adaptive:
+        planner = StepPlanner(speculation.planner_arms(), VerifyCosts(speculation.verify_costs), speculation.memory)
     open_op = target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION)
     if drafter is not None:
         open_op.capture_layer_ids.extend(speculation.info.target_layer_ids)
@@ -275,22 +248,26 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             if delta.finish_reason and delta.finish_reason != common_pb2.FINISH_REASON_STOP_STRING:
                 delta.text += stop.flush()
             if delta.finish_reason:
-                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, drafter, gate)
+                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, drafter, planner)
                 yield delta
                 return
             yield delta
 
             pending = emitted[-1]
-            tree, proposers = None, []
+            tree, proposers, predicted = None, [], None
             t_draft = time.perf_counter()
-            if drafter is not None and drafter.active and (gate is None or gate.want_draft()):
-                proposal = drafter.propose(pending, length, config.sampling)
+            arm = planner.choose(stats.steps + 1) if planner is not None and drafter.active else None
+            if drafter is not None and drafter.active and arm != AR:
+                proposal = drafter.propose(pending, length, config.sampling, proposer=arm)
                 wall = time.perf_counter() - t_draft
                 stats.draft_seconds += wall
                 if proposal is not None:
                     stats.transport_seconds += max(wall - proposal.compute_seconds, 0.0)
                     tree, kept = _fit_tree(proposal.tree, opened.max_length - length)
                     proposers = [proposal.node_proposers[i] for i in kept if i < len(proposal.node_proposers)]
+                    if planner is not None:
+                        tree, predicted = _cut_chain(planner, tree, proposal.confidences)
+            draft_wall = time.perf_counter() - t_draft
             if tree is None:
                 tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
             t_step = time.perf_counter()
@@ -301,8 +278,10 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             stats.steps += 1
             stats.committed_per_step.append(len(verified.accepted_path))
             depth = _depth(tree.parents)
-            if gate is not None:
-                gate.observe(depth > 0, time.perf_counter() - t_draft, len(verified.accepted_path), stats.steps)
+            if planner is not None and arm is not None:
+                planner.observe(arm, len(tree.tokens), len(verified.accepted_path) - 1, draft_wall,
+                                time.perf_counter() - t_draft, verified.compute_seconds, verified.batch_sessions,
+                                verified.batch_rows, predicted)
             if depth:
                 stats.speculative_steps += 1
                 _count(drafted, depth)
@@ -319,6 +298,8 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             emitted = committed[1:] + [verified.next_token]
             texts = list(verified.token_texts)
     finally:
+        if planner is not None:
+            planner.finish()
         if drafter is not None:
             drafter.release()
         try:
@@ -356,6 +337,34 @@ def _fit_tree(tree: common_pb2.TokenTree, room: int) -> tuple[common_pb2.TokenTr
                                 parents=[-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]), keep
 
 
+def _cut_chain(planner: StepPlanner, tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
+               ) -> tuple[common_pb2.TokenTree, float | None]:
+    """Cut a chain that carries confidences to the depth the planner picks; also the expected accepted tokens
+    of what is kept (for the planner's calibration). Trees and chains without confidences pass unchanged."""
+    n = len(tree.tokens) - 1
+    if n < 1 or not confidences.data or list(tree.parents) != list(range(-1, n)):
+        return tree, None
+    values = list(struct.unpack(f"<{len(confidences.data) // 4}f", confidences.data))[:n]
+    m = planner.cut_chain(values)
+    survival, expected = 1.0, 0.0
+    for c in values[:m]:
+        survival *= min(max(c, 0.0), 1.0)
+        expected += min(1.0, planner.calibration * survival)
+    if m < n:
+        cut = common_pb2.TokenTree(tokens=tree.tokens[: m + 1], parents=tree.parents[: m + 1])
+        for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
+            if tree.HasField(name):
+                getattr(cut, name).CopyFrom(_first_rows(getattr(tree, name), m + 1))
+        tree = cut
+    return tree, expected
+
+
+def _first_rows(t: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
+    """The first `rows` rows of a tensor message (any dtype: bytes per row from its size)."""
+    row_bytes = len(t.data) // t.shape[0] if t.shape and t.shape[0] else 0
+    return common_pb2.Tensor(dtype=t.dtype, shape=[rows, *t.shape[1:]], data=t.data[: rows * row_bytes])
+
+
 def _count(counts: list[int], depth: int) -> None:
     """counts[d-1] += 1 for d in 1..depth."""
     counts.extend([0] * (depth - len(counts)))
@@ -364,7 +373,7 @@ def _count(counts: list[int], depth: int) -> None:
 
 
 def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
-                  accepted: list[int], drafter: Speculator | None, gate: AdaptiveGate | None) -> None:
+                  accepted: list[int], drafter: Speculator | None, planner: StepPlanner | None) -> None:
     stats.decode_seconds = decode_seconds
     # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
     if stats.steps:
@@ -379,8 +388,11 @@ def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, draf
     else:
         stats.mode_run = common_pb2.DECODE_MODE_SPECULATION if stats.speculative_steps else common_pb2.DECODE_MODE_AR
         reasons = [drafter.failure] if drafter.failure else []
-        if gate is not None and gate.switches:
-            reasons.append("adaptive: " + "; ".join(gate.switches))
+        if planner is not None:
+            stats.planned_ar_steps = planner.planned_ar
+            stats.truncated_drafts = planner.truncated
+            if planner.switches:
+                reasons.append("adaptive: " + "; ".join(planner.switches))
         stats.fallback_reason = "; ".join(reasons)
     total = stats.prefill_seconds + decode_seconds
     if total > 0:

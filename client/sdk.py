@@ -5,11 +5,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from dspark_grpc.client.generation import GenerationConfig, RequestError, SpeculationConfig, generate_deltas
+from dspark_grpc.client.planner import PlannerMemory
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -110,6 +111,7 @@ class TargetClient:
         self._draft_channel = make_channel(drafter) if drafter else None
         self._draft_stub = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if drafter else None
         self._info: target_pb2.GetModelInfoResponse | None = None
+        self.planner_memory = PlannerMemory()  # what the adaptive planner learned, carried across requests
 
     def __enter__(self) -> TargetClient:
         return self
@@ -168,7 +170,9 @@ class TargetClient:
                 speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
                                                KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats,
                                                PROPOSERS[options["proposer"]],
-                                               adaptive=options["mode"] == "adaptive")
+                                               adaptive=options["mode"] == "adaptive",
+                                               verify_costs=self.model_info().verify_costs,
+                                               memory=self.planner_memory)
                 if speculation is not None:
                     streams.append(speculation.drafter)
         try:
@@ -192,7 +196,8 @@ class TargetClient:
 
 def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, budget: int, kernel: int,
                      stream_timeout: float | None, draft_timeout: float, stats: common_pb2.GenerationStats,
-                     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED, adaptive: bool = False
+                     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED, adaptive: bool = False,
+                     verify_costs: Sequence[common_pb2.CostTable] = (), memory: PlannerMemory | None = None
                      ) -> SpeculationConfig | None:
     """Ask the drafter who it is and open a draft stream; None (and the reason in stats) if it is unavailable."""
     try:
@@ -202,7 +207,7 @@ def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, bud
         return None
     return SpeculationConfig(drafter=SessionStream(draft_stub.DraftSession, stream_timeout), info=info, kind=kind,
                              budget=budget, kernel=kernel, proposer=proposer, adaptive=adaptive,
-                             timeout_s=draft_timeout)
+                             timeout_s=draft_timeout, verify_costs=list(verify_costs), memory=memory)
 
 
 def _check_options(mode: str, proposal: str, budget: int, kernel: str, proposer: str) -> None:

@@ -124,7 +124,8 @@ class DraftEngine:
         if drafter is not None:
             B = drafter.config.block_size
             self._passes = StepBatcher(drafter.forward_blocks, rows=lambda job: B, max_rows=B * limits.max_sessions,
-                                       name="drafter-pass", on_batch=self._observe_pass)
+                                       name="drafter-pass", on_batch=self._observe_pass,
+                                       session=lambda job: id(job[0]))
 
     def close(self) -> None:
         if self._passes is not None:

@@ -4,13 +4,18 @@ Callers block in `submit(job)`; one worker thread runs whatever is queued when t
 batch (`run_batch(jobs) -> results`, in order), up to `max_rows` rows. A lone job runs at once, so a single
 session pays only a thread hand-off; under load, sessions that step at the same time share one pass over the
 weights. A batch that raises is re-run one job at a time, so one bad job fails alone.
+
+Sessions come back at slightly different times after a batch (each accepts, commits and answers its client
+first). Taking only the first to return would split them into alternating half batches, so the worker waits up
+to `gather` x the last batch's seconds for every session (`session(job)`) seen in the last two batches to queue
+its next job. A session that went away costs that wait at most twice. Without `session` it never waits.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -32,6 +37,7 @@ class _Ticket(Generic[J, R]):
     job: J
     rows: int
     done: threading.Event
+    session: Hashable
     result: R | None = None
     error: BaseException | None = None
     info: BatchInfo | None = None
@@ -40,10 +46,14 @@ class _Ticket(Generic[J, R]):
 class StepBatcher(Generic[J, R]):
     def __init__(self, run_batch: Callable[[list[J]], Sequence[R]], rows: Callable[[J], int] = lambda job: 1,
                  max_rows: int = 512, name: str = "step-batcher",
-                 on_batch: Callable[[BatchInfo], None] | None = None) -> None:
+                 on_batch: Callable[[BatchInfo], None] | None = None, gather: float = 0.25,
+                 session: Callable[[J], Hashable] | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.run_batch, self.rows, self.max_rows, self.on_batch = run_batch, rows, max_rows, on_batch
+        self.gather, self.session = gather, session
+        self._last_seconds = 0.0
+        self._recent: list[set] = [set(), set()]  # sessions of the last two batches
         self._queue: list[_Ticket[J, R]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -52,7 +62,8 @@ class StepBatcher(Generic[J, R]):
 
     def submit(self, job: J) -> tuple[R, BatchInfo]:
         """Run `job` in the next batch; blocks until it ran. Re-raises the job's own error."""
-        ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event())
+        ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event(),
+                                        self.session(job) if self.session is not None else None)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the step batcher is closed")
@@ -76,7 +87,14 @@ class StepBatcher(Generic[J, R]):
                 self._cv.wait()
             if not self._queue:
                 return None
-            batch, rows = [self._queue.pop(0)], 0
+            expected = self._recent[0] | self._recent[1]
+            deadline = time.perf_counter() + self.gather * self._last_seconds
+            while not self._closed and not expected <= {t.session for t in self._queue}:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            batch = [self._queue.pop(0)]
             rows = batch[0].rows
             while self._queue and rows + self._queue[0].rows <= self.max_rows:
                 rows += self._queue[0].rows
@@ -104,6 +122,9 @@ class StepBatcher(Generic[J, R]):
                 t.error = e
             return
         info = BatchInfo(len(batch), sum(t.rows for t in batch), time.perf_counter() - t0)
+        self._last_seconds = info.seconds
+        if self.session is not None:
+            self._recent = [self._recent[1], {t.session for t in batch}]
         for t, r in zip(batch, results, strict=True):
             t.result, t.info = r, info
         if self.on_batch is not None:

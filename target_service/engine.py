@@ -111,7 +111,7 @@ class TargetEngine:
         # Every forward goes through one worker: steps of concurrent sessions share a forward (continuous batching).
         self.batcher: StepBatcher[SequenceInput, ForwardOutput] = StepBatcher(
             model.forward_batch, rows=lambda inp: inp.tokens.shape[0], max_rows=limits.max_batch_rows,
-            name="target-forward", on_batch=self._on_batch)
+            name="target-forward", on_batch=self._on_batch, session=lambda inp: id(inp.cache))
         self.on_forward = None  # optional callable(BatchInfo), e.g. Prometheus metrics
         self.cost_tables: list = []  # client.cost_table.CostTable per lanes, when profiled
 

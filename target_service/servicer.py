@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
+from dspark_grpc.client.planner import PlannerMemory
 from dspark_grpc.client.sdk import make_channel, open_speculation
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
@@ -67,6 +68,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.default_mode = default_mode
         self.draft_timeout = draft_timeout
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
+        self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across Generate requests
         self.forward_metrics = None  # callable(BatchInfo) observing each batched forward, with metrics
 
     def ready_engine(self) -> TargetEngine:
@@ -180,7 +182,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 kind = request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
                 speculation = await loop.run_in_executor(self.executor, functools.partial(
                     open_speculation, self.draft_stub, kind, request.budget, request.kernel, context.time_remaining(),
-                    self.draft_timeout, stats, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE))
+                    self.draft_timeout, stats, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE,
+                    verify_costs=[t.to_proto() for t in engine.cost_tables], memory=self.planner_memory))
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
         step = None

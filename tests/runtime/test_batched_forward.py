@@ -172,3 +172,34 @@ def test_step_batcher_fails_only_the_bad_job():
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(1)
+
+
+def test_step_batcher_waits_briefly_for_a_late_session_instead_of_splitting_the_batch():
+    batches, release = [], threading.Event()
+
+    def run_batch(jobs: list[tuple[str, int]]) -> list[int]:
+        if jobs[0][0] == "first":
+            release.wait(10)
+        batches.append(sorted(name for name, _ in jobs))
+        threading.Event().wait(0.2)  # a 200 ms forward: the gather window is 50 ms
+        return [0] * len(jobs)
+
+    batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job[0])
+    blocker = threading.Thread(target=batcher.submit, args=(("first", 0),))
+    blocker.start()
+    threading.Event().wait(0.05)
+
+    def session(name: str, delay: float) -> None:
+        for step in range(3):
+            batcher.submit((name, step))
+            threading.Event().wait(delay)  # "c" answers its client 10 ms later than the others
+
+    threads = [threading.Thread(target=session, args=(n, d)) for n, d in (("a", 0), ("b", 0), ("c", 0.01))]
+    for t in threads:
+        t.start()
+    _wait_queued(batcher, 3)
+    release.set()
+    for t in [blocker, *threads]:
+        t.join(10)
+    batcher.close()
+    assert batches == [["first"]] + [["a", "b", "c"]] * 3

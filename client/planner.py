@@ -1,0 +1,205 @@
+"""The adaptive planner: per step, AR or which proposer, and how much of a confident chain to verify.
+
+Each option ("arm": AR, or a proposer of the drafter) has running estimates from the steps that used it: accepted
+draft tokens per step, rows verified per step and seconds spent drafting. Its value is the expected goodput of
+the batched forwards it takes part in, if every session in them did the same (they all run this planner):
+
+    rate(arm) = L * (1 + accepted) / (T(L, rows) * k + draft_seconds)
+
+where L is the number of sessions in the target's recent forwards (an EMA of what the target reports), T the
+target's start-up cost table (seconds of one forward of L sessions x r rows each) and k an online EMA of
+measured / predicted forward time. Pricing every session's rows, not only one's own, is what makes speculation
+back off under load: a session alone would see only its small share of a crowded forward. Without cost tables
+the planner uses each arm's measured step seconds instead. The best arm runs (a drafting arm must beat AR by
+`margin`); an arm not chosen is probed again after `probe_every` steps, the interval doubling while probes lose.
+
+A chain that carries confidences c_1..c_k (the DSpark confidence head) is cut to the depth m that maximizes
+L * (1 + sum_{d<=m} s_d) / T(L, 1 + m) with s_d = min(1, g * prod_{j<=d} c_j), g an online
+calibration (accepted / predicted). Whether x_d is verified depends only on c_1..c_d, hence on x_<d: a prefix
+of a draft is verified exactly as a whole draft is, so the output does not change.
+
+Estimates start from a `PlannerMemory` shared by the requests of one client or server, so a drafter that never
+wins (e.g. random weights) is recognised by the next request at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dspark_grpc.client.cost_table import _interpolate
+from dspark_grpc.protos.dspark.v1 import common_pb2
+
+AR = 0  # the AR arm; drafting arms are draft_pb2.Proposer values (> 0)
+
+
+class VerifyCosts:
+    """The target's cost tables (GetModelInfoResponse.verify_costs): seconds of one forward of `lanes` sessions
+    with `rows` rows each, interpolated in rows and lanes."""
+
+    def __init__(self, tables: Sequence[common_pb2.CostTable]) -> None:
+        self.tables = sorted(((t.lanes, list(t.sizes), list(t.seconds)) for t in tables if t.sizes), key=lambda x: x[0])
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def seconds(self, lanes: float, rows: float) -> float:
+        assert self.tables, "no cost tables"
+        lanes_known = [lanes_ for lanes_, _, _ in self.tables]
+        per_lane = [_interpolate(sizes, secs, max(rows, 1.0)) for _, sizes, secs in self.tables]
+        return _interpolate(lanes_known, per_lane, max(lanes, 1.0))
+
+
+@dataclass
+class ArmStats:
+    accepted: float = 0.0  # accepted draft tokens per step
+    rows: float = 1.0  # tree nodes verified per step
+    draft_seconds: float = 0.0
+    step_seconds: float = 0.0  # draft + verify wall time of a step (used without cost tables)
+    steps: int = 0
+
+    def update(self, alpha: float, accepted: float, rows: float, draft_seconds: float, step_seconds: float) -> None:
+        a = 1.0 if self.steps == 0 else alpha
+        self.accepted += a * (accepted - self.accepted)
+        self.rows += a * (rows - self.rows)
+        self.draft_seconds += a * (draft_seconds - self.draft_seconds)
+        self.step_seconds += a * (step_seconds - self.step_seconds)
+        self.steps += 1
+
+
+@dataclass
+class PlannerMemory:
+    """Arm estimates carried from one request to the next (thread-safe)."""
+
+    arms: dict[int, ArmStats] = field(default_factory=dict)
+    calibration: float = 1.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def load(self) -> tuple[dict[int, ArmStats], float]:
+        with self.lock:
+            return {k: ArmStats(**{f: getattr(v, f) for f in ArmStats.__dataclass_fields__})
+                    for k, v in self.arms.items()}, self.calibration
+
+    def store(self, arms: dict[int, ArmStats], calibration: float) -> None:
+        with self.lock:
+            self.arms = {k: v for k, v in arms.items() if v.steps}
+            self.calibration = calibration
+
+
+class StepPlanner:
+    def __init__(self, arms: Sequence[int], costs: VerifyCosts | None = None, memory: PlannerMemory | None = None,
+                 margin: float = 1.02, probe_every: int = 8, max_probe_every: int = 256, alpha: float = 0.25) -> None:
+        if not arms or AR in arms:
+            raise ValueError(f"drafting arms must be proposer values > 0, got {list(arms)}")
+        self.drafting = list(arms)
+        self.costs = costs if costs else None
+        self.memory = memory
+        self.margin, self.alpha = margin, alpha
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        known, self.calibration = memory.load() if memory is not None else ({}, 1.0)
+        self.stats = {arm: known.get(arm, ArmStats()) for arm in [AR, *self.drafting]}
+        self.interval = {arm: probe_every for arm in self.drafting}
+        self.since = {arm: 0 for arm in self.drafting}
+        self.lanes = 1.0  # sessions per target forward (EMA)
+        self.speed = 1.0  # measured / predicted forward seconds (EMA)
+        self.current: int | None = None
+        self.switches: list[str] = []
+        self.planned_ar = 0
+        self.truncated = 0
+
+    # -- estimates ------------------------------------------------------------------------------------
+
+    def forward_seconds(self, rows: float) -> float:
+        assert self.costs is not None
+        return self.costs.seconds(self.lanes, rows) * self.speed
+
+    def rate(self, arm: int) -> float | None:
+        """Expected tokens per second of the forward this arm's step joins (None: not measured yet)."""
+        s = self.stats[arm]
+        if self.costs is None:
+            if not s.steps or s.step_seconds <= 0:
+                return None
+            return (1.0 + s.accepted) / s.step_seconds
+        if arm != AR and not s.steps:
+            return None
+        return self.lanes * (1.0 + s.accepted) / (self.forward_seconds(s.rows) + s.draft_seconds)
+
+    # -- decisions ------------------------------------------------------------------------------------
+
+    def choose(self, step: int) -> int:
+        """The arm for this step: AR or a proposer."""
+        untried = [a for a in self.drafting if not self.stats[a].steps]
+        if untried:
+            return self._set(untried[0], step, "first try")
+        if self.costs is None and not self.stats[AR].steps:
+            return self._set(AR, step, "measure AR")
+        ar_rate = self.rate(AR) or 0.0
+        best, best_rate = AR, ar_rate
+        for arm in self.drafting:
+            r = self.rate(arm) or 0.0
+            if r > best_rate and r > self.margin * ar_rate:
+                best, best_rate = arm, r
+        for arm in self.drafting:  # probe an arm that lost long enough ago
+            if arm != best:
+                self.since[arm] += 1
+                if self.since[arm] >= self.interval[arm]:
+                    self.since[arm] = 0
+                    self.interval[arm] = min(2 * self.interval[arm], self.max_probe_every)
+                    return self._set(arm, step, None)
+        if best != AR:
+            self.interval[best] = self.probe_every
+        return self._set(best, step, f"{best_rate / max(ar_rate, 1e-12):.2f}x AR expected")
+
+    def _set(self, arm: int, step: int, why: str | None) -> int:
+        if why is not None and arm != self.current:
+            if self.current is not None:
+                self.switches.append(f"step {step}: {_name(arm)} ({why})")
+            self.current = arm
+        if arm == AR:
+            self.planned_ar += 1
+        return arm
+
+    def cut_chain(self, confidences: Sequence[float]) -> int:
+        """How many draft tokens of a chain with these per-position confidences to verify (see module doc)."""
+        if self.costs is None or not confidences:
+            return len(confidences)
+        best_m, best, survival, expected = 0, 1.0 / self.forward_seconds(1), 1.0, 0.0
+        for m, c in enumerate(confidences, start=1):
+            survival *= min(max(float(c), 0.0), 1.0)
+            expected += min(1.0, self.calibration * survival)
+            value = (1.0 + expected) / self.forward_seconds(1 + m)
+            if value > best:
+                best_m, best = m, value
+        if best_m < len(confidences):
+            self.truncated += 1
+        return best_m
+
+    # -- observations -----------------------------------------------------------------------------------
+
+    def observe(self, arm: int, rows: int, accepted: int, draft_seconds: float, step_seconds: float,
+                verify_seconds: float, batch_sessions: int, batch_rows: int,
+                predicted_accepted: float | None = None) -> None:
+        """One finished step: its arm, rows verified, draft tokens accepted, seconds, and the forward it ran in."""
+        a = self.alpha
+        if batch_sessions > 0:
+            self.lanes += a * (batch_sessions - self.lanes)
+        if self.costs is not None and verify_seconds > 0 and batch_sessions > 0:
+            predicted = self.costs.seconds(batch_sessions, batch_rows / batch_sessions)
+            ratio = min(max(verify_seconds / predicted, 0.25), 4.0) if predicted > 0 else 1.0
+            self.speed += a * (ratio - self.speed)
+        if predicted_accepted is not None and predicted_accepted > 0:
+            ratio = min(max(accepted / predicted_accepted, 0.0), 2.0)
+            self.calibration += a * (ratio * self.calibration - self.calibration)
+            self.calibration = min(max(self.calibration, 0.02), 2.0)
+        self.stats[arm].update(a, accepted, rows, draft_seconds, step_seconds)
+
+    def finish(self) -> None:
+        if self.memory is not None:
+            self.memory.store(self.stats, self.calibration)
+
+
+def _name(arm: int) -> str:
+    from dspark_grpc.protos.dspark.v1 import draft_pb2
+
+    return "AR" if arm == AR else draft_pb2.Proposer.Name(arm).removeprefix("PROPOSER_").lower()
