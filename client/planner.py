@@ -4,14 +4,18 @@ Each option ("arm": AR, or a proposer of the drafter) has running estimates from
 draft tokens per step, rows verified per step and seconds spent drafting. Its value is the expected goodput of
 the batched forwards it takes part in, if every session in them did the same (they all run this planner):
 
-    rate(arm) = L * (1 + accepted) / (T(L, rows) * k + draft_seconds)
+    rate(arm) = L * (1 + accepted) / (T(L, 1) * k * relative_cost + draft_seconds)
 
-where L is the number of sessions in the target's recent forwards (an EMA of what the target reports), T the
-target's start-up cost table (seconds of one forward of L sessions x r rows each) and k an online EMA of
-measured / predicted forward time. Pricing every session's rows, not only one's own, is what makes speculation
-back off under load: a session alone would see only its small share of a crowded forward. Without cost tables
-the planner uses each arm's measured step seconds instead. The best arm runs (a drafting arm must beat AR by
+where relative_cost is the arm's mean of T(L, rows) / T(L, 1) over its steps (a mean of costs, not the cost of the
+mean rows: a CPU step of 1 row is much cheaper than one of 2, so prompt lookup that drafts 8 rows one step in eight
+costs far less than T(2) per step), L is the number of sessions in the target's recent forwards (an EMA of what the
+target reports), T the target's start-up cost table (seconds of one forward of L sessions x r rows each) and k an
+online EMA of measured / predicted forward time. Pricing every session's rows, not only one's own, is what makes
+speculation back off under load: a session alone would see only its small share of a crowded forward. Without cost
+tables the planner uses each arm's measured step seconds instead. The best arm runs (a drafting arm must beat AR by
 `margin`); an arm not chosen is probed again after `probe_every` steps, the interval doubling while probes lose.
+An arm whose drafting costs under `cheap` of an AR step (prompt lookup) is kept while its rate is within
+`cheap_keep` of AR's and probed without back-off: its wins come in bursts and a wasted try costs next to nothing.
 
 A chain that carries confidences c_1..c_k (the DSpark confidence head) is cut to the depth m that maximizes
 L * (1 + sum_{d<=m} s_d) / T(L, 1 + m) with s_d = min(1, g * prod_{j<=d} c_j), g an online
@@ -54,15 +58,16 @@ class VerifyCosts:
 @dataclass
 class ArmStats:
     accepted: float = 0.0  # accepted draft tokens per step
-    rows: float = 1.0  # tree nodes verified per step
+    relative_cost: float = 1.0  # forward seconds per step / those of an AR step (from the cost tables)
     draft_seconds: float = 0.0
     step_seconds: float = 0.0  # draft + verify wall time of a step (used without cost tables)
     steps: int = 0
 
-    def update(self, alpha: float, accepted: float, rows: float, draft_seconds: float, step_seconds: float) -> None:
-        a = 1.0 if self.steps == 0 else alpha
+    def update(self, alpha: float, accepted: float, relative_cost: float, draft_seconds: float,
+               step_seconds: float) -> None:
+        a = max(1.0 / (self.steps + 1), alpha)  # a plain mean at first, then an EMA
         self.accepted += a * (accepted - self.accepted)
-        self.rows += a * (rows - self.rows)
+        self.relative_cost += a * (relative_cost - self.relative_cost)
         self.draft_seconds += a * (draft_seconds - self.draft_seconds)
         self.step_seconds += a * (step_seconds - self.step_seconds)
         self.steps += 1
@@ -89,13 +94,14 @@ class PlannerMemory:
 
 class StepPlanner:
     def __init__(self, arms: Sequence[int], costs: VerifyCosts | None = None, memory: PlannerMemory | None = None,
-                 margin: float = 1.02, probe_every: int = 8, max_probe_every: int = 256, alpha: float = 0.25) -> None:
+                 margin: float = 1.02, probe_every: int = 8, max_probe_every: int = 256, alpha: float = 0.1,
+                 cheap: float = 0.05, cheap_keep: float = 0.97) -> None:
         if not arms or AR in arms:
             raise ValueError(f"drafting arms must be proposer values > 0, got {list(arms)}")
         self.drafting = list(arms)
         self.costs = costs if costs else None
         self.memory = memory
-        self.margin, self.alpha = margin, alpha
+        self.margin, self.alpha, self.cheap, self.cheap_keep = margin, alpha, cheap, cheap_keep
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         known, self.calibration = memory.load() if memory is not None else ({}, 1.0)
         self.stats = {arm: known.get(arm, ArmStats()) for arm in [AR, *self.drafting]}
@@ -123,7 +129,7 @@ class StepPlanner:
             return (1.0 + s.accepted) / s.step_seconds
         if arm != AR and not s.steps:
             return None
-        return self.lanes * (1.0 + s.accepted) / (self.forward_seconds(s.rows) + s.draft_seconds)
+        return self.lanes * (1.0 + s.accepted) / (self.forward_seconds(1) * s.relative_cost + s.draft_seconds)
 
     # -- decisions ------------------------------------------------------------------------------------
 
@@ -138,18 +144,28 @@ class StepPlanner:
         best, best_rate = AR, ar_rate
         for arm in self.drafting:
             r = self.rate(arm) or 0.0
-            if r > best_rate and r > self.margin * ar_rate:
-                best, best_rate = arm, r
+            # a cheap arm (drafting costs < `cheap` of an AR step) is kept unless it measurably loses: its wins
+            # come in bursts that a short average misses, and a wasted try costs next to nothing
+            score = r / (self.cheap_keep if self._cheap(arm) else self.margin)
+            if score > best_rate:
+                best, best_rate = arm, score
         for arm in self.drafting:  # probe an arm that lost long enough ago
             if arm != best:
                 self.since[arm] += 1
                 if self.since[arm] >= self.interval[arm]:
                     self.since[arm] = 0
-                    self.interval[arm] = min(2 * self.interval[arm], self.max_probe_every)
+                    if not self._cheap(arm):
+                        self.interval[arm] = min(2 * self.interval[arm], self.max_probe_every)
                     return self._set(arm, step, None)
         if best != AR:
             self.interval[best] = self.probe_every
-        return self._set(best, step, f"{best_rate / max(ar_rate, 1e-12):.2f}x AR expected")
+        expected = (self.rate(best) or 0.0) / max(ar_rate, 1e-12)
+        return self._set(best, step, f"{expected:.2f}x AR expected")
+
+    def _cheap(self, arm: int) -> bool:
+        ar = self.stats[AR]
+        ar_seconds = self.forward_seconds(1) if self.costs is not None else ar.step_seconds
+        return ar_seconds > 0 and self.stats[arm].draft_seconds < self.cheap * ar_seconds
 
     def _set(self, arm: int, step: int, why: str | None) -> int:
         if why is not None and arm != self.current:
@@ -192,7 +208,11 @@ class StepPlanner:
             ratio = min(max(accepted / predicted_accepted, 0.0), 2.0)
             self.calibration += a * (ratio * self.calibration - self.calibration)
             self.calibration = min(max(self.calibration, 0.02), 2.0)
-        self.stats[arm].update(a, accepted, rows, draft_seconds, step_seconds)
+        relative = 1.0
+        if self.costs is not None:
+            lanes = batch_sessions or self.lanes
+            relative = self.costs.seconds(lanes, rows) / self.costs.seconds(lanes, 1)
+        self.stats[arm].update(a, accepted, relative, draft_seconds, step_seconds)
 
     def finish(self) -> None:
         if self.memory is not None:
