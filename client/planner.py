@@ -202,7 +202,7 @@ class StepPlanner:
             self.lanes += a * (batch_sessions - self.lanes)
         if self.costs is not None and verify_seconds > 0 and batch_sessions > 0:
             predicted = self.costs.seconds(batch_sessions, batch_rows / batch_sessions)
-            ratio = min(max(verify_seconds / predicted, 0.25), 4.0) if predicted > 0 else 1.0
+            ratio = min(max(verify_seconds / predicted, 0.1), 10.0) if predicted > 0 else 1.0
             self.speed += a * (ratio - self.speed)
         if predicted_accepted is not None and predicted_accepted > 0:
             ratio = min(max(accepted / predicted_accepted, 0.0), 2.0)
