@@ -124,7 +124,8 @@ def test_adaptive_mode_stops_drafting_when_it_does_not_pay(target_address, draft
                                    proposer="dspark")
     assert adaptive.token_ids == ar.token_ids
     s = adaptive.stats
-    assert 0 < s.speculative_steps <= 8 and s.ar_steps >= 50  # a first try, then rare re-probes
+    # a first try (which the confidence cut may already shrink to an AR step), then rare re-probes
+    assert s.speculative_steps <= 8 and s.ar_steps >= 50 and s.planned_ar_steps >= 50
     assert "adaptive" in s.fallback_reason and "AR" in s.fallback_reason
 
 
