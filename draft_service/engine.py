@@ -124,8 +124,7 @@ class DraftEngine:
         if drafter is not None:
             B = drafter.config.block_size
             self._passes = StepBatcher(drafter.forward_blocks, rows=lambda job: B, max_rows=B * limits.max_sessions,
-                                       name="drafter-pass", on_batch=self._observe_pass,
-                                       session=lambda job: id(job[0]))
+                                       name="drafter-pass", on_batch=self._observe_pass)
 
     def close(self) -> None:
         if self._passes is not None:
