@@ -39,11 +39,6 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
-    s.add_argument("--cost-cache", default=None,
-                   help="directory of the start-up proposal cost tables (reused while drafter, dtype, threads and "
-                        "device are unchanged); default: $DSPARK_COST_CACHE or ~/.cache/dspark-grpc/cost-tables")
-    s.add_argument("--no-cost-profile", action="store_true",
-                   help="publish no proposal cost tables (skips the few seconds of profiling at start-up)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
                         "a free port")

@@ -33,6 +33,12 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
     p.add_argument("--quiet", action="store_true", help="no load progress")
+    p.add_argument("--cost-cache", default=None, metavar="DIR",
+                   help="where the start-up cost tables are cached (reused while model, dtype, threads and device are "
+                        "unchanged); default: $DSPARK_COST_CACHE, else ~/.cache/dspark-grpc/cost-tables")
+    p.add_argument("--no-cost-profile", action="store_true",
+                   help="skip profiling costs at start-up (no tables published; the adaptive planner then measures "
+                        "online)")
 
 
 def status_code(code: int) -> grpc.StatusCode:

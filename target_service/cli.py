@@ -35,11 +35,6 @@ def parser() -> argparse.ArgumentParser:
                         "http://HOST:PORT/metrics; 0 picks a free port")
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only")
-    s.add_argument("--cost-cache", default=None, metavar="DIR",
-                   help="where start-up cost tables are cached (default: $DSPARK_COST_CACHE, else "
-                        "~/.cache/dspark-grpc/cost-tables)")
-    s.add_argument("--no-cost-profile", action="store_true",
-                   help="skip profiling forward costs at start-up (the adaptive planner then measures online)")
     s.add_argument("--max-batch-rows", type=int, default=1024,
                    help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
     add_serve_arguments(s, default_port=50051)
