@@ -181,7 +181,7 @@ def test_step_batcher_waits_briefly_for_a_late_session_instead_of_splitting_the_
         if jobs[0][0] == "first":
             release.wait(10)
         batches.append(sorted(name for name, _ in jobs))
-        threading.Event().wait(0.2)  # a 200 ms forward: the gather window is 50 ms
+        threading.Event().wait(0.4)  # a 400 ms forward: the gather window is 100 ms
         return [0] * len(jobs)
 
     batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job[0])

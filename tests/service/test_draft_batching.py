@@ -62,8 +62,9 @@ def propose(engine: DraftEngine, sid: str, anchor: int, position: int, kwargs: d
 
 
 class Gate:
-    """Holds the first drafter pass until `waiting` more proposals are queued behind it (so they share the
-    next pass), and logs when passes end."""
+    """Holds the first drafter pass until `waiting` more proposals are in it or queued behind it (so the queued
+    ones share the next pass), and logs when passes end. Under load two proposals can reach the first pass
+    together, so it may hold more than one."""
 
     def __init__(self, engine: DraftEngine, waiting: int, release: threading.Event | None = None) -> None:
         self.batcher, self.run, self.waiting = engine._passes, engine._passes.run_batch, waiting
@@ -74,7 +75,7 @@ class Gate:
         if self.first:
             self.first = False
             deadline = time.monotonic() + 120
-            while len(self.batcher._queue) < self.waiting:
+            while len(jobs) - 1 + len(self.batcher._queue) < self.waiting:
                 assert time.monotonic() < deadline, "the other proposals never queued"
                 time.sleep(0.005)
             if self.release is not None:
@@ -111,8 +112,9 @@ def test_concurrent_sessions_share_a_pass_and_propose_what_each_proposes_alone()
     gate = Gate(engine, waiting=len(REQUESTS) - 1)
     together = run_threads([lambda sid=sid, n=n, a=anchor, kw=kw: propose(engine, sid, a, n, kw)
                             for sid, (n, anchor, kw) in zip(sids, REQUESTS, strict=True)])
-    assert gate.log == [("pass", 1), ("pass", 3)]  # one proposal ran alone, three shared the next pass
-    assert sorted(r.batch_sessions for r in together) == [1, 3, 3, 3]
+    first = gate.log[0][1]  # usually 1; more when several proposals reached the worker before it woke
+    assert gate.log == [("pass", first)] + ([("pass", 4 - first)] if first < 4 else [])  # the rest shared a pass
+    assert sorted(r.batch_sessions for r in together) == sorted([first] * first + [4 - first] * (4 - first))
     for a, b in zip(alone, together, strict=True):
         assert (b.tokens, b.parents, b.sources) == (a.tokens, a.parents, a.sources)
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=1e-5, atol=1e-5)
