@@ -10,7 +10,9 @@ where relative_cost is the arm's mean of T(L, rows) / T(L, 1) over its steps (a 
 mean rows: a CPU step of 1 row is much cheaper than one of 2, so prompt lookup that drafts 8 rows one step in eight
 costs far less than T(2) per step), L is the number of sessions in the target's recent forwards (an EMA of what the
 target reports), T the target's start-up cost table (seconds of one forward of L sessions x r rows each) and k an
-online EMA of measured / predicted forward time. Pricing every session's rows, not only one's own, is what makes
+online EMA of measured / predicted forward time, kept per shape (rows per session, in powers of two; a shape not
+seen yet uses the EMA over all shapes): a table profiled while the machine was busy can be wrong by a different
+factor for 1 row than for 8. Pricing every session's rows, not only one's own, is what makes
 speculation back off under load: a session alone would see only its small share of a crowded forward. Without cost
 tables the planner uses each arm's measured step seconds instead. The best arm runs (a drafting arm must beat AR by
 `margin`); an arm not chosen is probed again after `probe_every` steps, the interval doubling while probes lose.
@@ -28,6 +30,7 @@ wins (e.g. random weights) is recognised by the next request at once.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,17 +82,23 @@ class PlannerMemory:
 
     arms: dict[int, ArmStats] = field(default_factory=dict)
     calibration: float = 1.0
+    speed: float = 1.0
+    shape_speed: dict[int, tuple[float, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def load(self) -> tuple[dict[int, ArmStats], float]:
+    def load(self, planner: StepPlanner) -> None:
+        """Start `planner` from the stored estimates."""
         with self.lock:
-            return {k: ArmStats(**{f: getattr(v, f) for f in ArmStats.__dataclass_fields__})
-                    for k, v in self.arms.items()}, self.calibration
+            planner.stats.update({k: ArmStats(**{f: getattr(v, f) for f in ArmStats.__dataclass_fields__})
+                                  for k, v in self.arms.items() if k in planner.stats})
+            planner.calibration, planner.speed = self.calibration, self.speed
+            planner.shape_speed = dict(self.shape_speed)
 
-    def store(self, arms: dict[int, ArmStats], calibration: float) -> None:
+    def store(self, planner: StepPlanner) -> None:
         with self.lock:
-            self.arms = {k: v for k, v in arms.items() if v.steps}
-            self.calibration = calibration
+            self.arms = {k: v for k, v in planner.stats.items() if v.steps}
+            self.calibration, self.speed = planner.calibration, planner.speed
+            self.shape_speed = dict(planner.shape_speed)
 
 
 class StepPlanner:
@@ -103,12 +112,15 @@ class StepPlanner:
         self.memory = memory
         self.margin, self.alpha, self.cheap, self.cheap_keep = margin, alpha, cheap, cheap_keep
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        known, self.calibration = memory.load() if memory is not None else ({}, 1.0)
-        self.stats = {arm: known.get(arm, ArmStats()) for arm in [AR, *self.drafting]}
+        self.stats = {arm: ArmStats() for arm in [AR, *self.drafting]}
         self.interval = {arm: probe_every for arm in self.drafting}
         self.since = {arm: 0 for arm in self.drafting}
         self.lanes = 1.0  # sessions per target forward (EMA)
-        self.speed = 1.0  # measured / predicted forward seconds (EMA)
+        self.speed = 1.0  # measured / predicted forward seconds (EMA over all shapes)
+        self.shape_speed: dict[int, tuple[float, int]] = {}  # rows bucket -> (that ratio's EMA, forwards seen)
+        self.calibration = 1.0
+        if memory is not None:
+            memory.load(self)
         self.current: int | None = None
         self.switches: list[str] = []
         self.planned_ar = 0
@@ -116,9 +128,14 @@ class StepPlanner:
 
     # -- estimates ------------------------------------------------------------------------------------
 
-    def forward_seconds(self, rows: float) -> float:
+    def forward_seconds(self, rows: float, lanes: float | None = None) -> float:
+        """Predicted seconds of a target forward of `lanes` sessions (default: the recent mean) x `rows` each."""
         assert self.costs is not None
-        return self.costs.seconds(self.lanes, rows) * self.speed
+        return self.costs.seconds(self.lanes if lanes is None else lanes, rows) * self.speed_for(rows)
+
+    def speed_for(self, rows: float) -> float:
+        known = self.shape_speed.get(_rows_bucket(rows))
+        return known[0] if known is not None else self.speed
 
     def rate(self, arm: int) -> float | None:
         """Expected tokens per second of the forward this arm's step joins (None: not measured yet)."""
@@ -201,9 +218,14 @@ class StepPlanner:
         if batch_sessions > 0:
             self.lanes += a * (batch_sessions - self.lanes)
         if self.costs is not None and verify_seconds > 0 and batch_sessions > 0:
-            predicted = self.costs.seconds(batch_sessions, batch_rows / batch_sessions)
+            per_session = batch_rows / batch_sessions
+            predicted = self.costs.seconds(batch_sessions, per_session)
             ratio = min(max(verify_seconds / predicted, 0.1), 10.0) if predicted > 0 else 1.0
             self.speed += a * (ratio - self.speed)
+            bucket = _rows_bucket(per_session)
+            value, seen = self.shape_speed.get(bucket, (ratio, 0))
+            value += max(1.0 / (seen + 1), a) * (ratio - value)  # a plain mean at first, then an EMA
+            self.shape_speed[bucket] = (value, seen + 1)
         if predicted_accepted is not None and predicted_accepted > 0:
             ratio = min(max(accepted / predicted_accepted, 0.0), 2.0)
             self.calibration += a * (ratio * self.calibration - self.calibration)
@@ -211,12 +233,17 @@ class StepPlanner:
         relative = 1.0
         if self.costs is not None:
             lanes = batch_sessions or self.lanes
-            relative = self.costs.seconds(lanes, rows) / self.costs.seconds(lanes, 1)
+            relative = self.forward_seconds(rows, lanes) / self.forward_seconds(1, lanes)
         self.stats[arm].update(a, accepted, relative, draft_seconds, step_seconds)
 
     def finish(self) -> None:
         if self.memory is not None:
-            self.memory.store(self.stats, self.calibration)
+            self.memory.store(self)
+
+
+def _rows_bucket(rows: float) -> int:
+    """1, 2, 4, 8, ...: the power of two nearest to `rows` (in log scale)."""
+    return 1 << max(0, round(math.log2(max(rows, 1.0))))
 
 
 def _name(arm: int) -> str:

@@ -49,10 +49,17 @@ def main(argv: list[str] | None = None) -> None:
     mode = common_pb2.DecodeMode.Value(f"DECODE_MODE_{args.default_mode.upper()}")
     servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
                               default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions)
+    observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.client.metrics import SpecDecodeMetrics
+        from dspark_grpc.runtime.service_metrics import ForwardMetrics
 
         servicer.metrics = SpecDecodeMetrics()
+        forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
+
+        def observe_forward(info) -> None:
+            forwards.observe_forward(info.jobs, info.rows, info.seconds)
+
         server = servicer.metrics.serve(args.metrics_port, addr=args.host)
         print(f"[dspark-target] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             if say:
                 for t in engine.cost_tables:
                     say(f"cost table, {t.key.lanes} session(s) per forward: {t.describe()}")
-        engine.on_forward = servicer.forward_metrics
+        engine.on_forward = observe_forward
         servicer.engine = engine
 
     asyncio.run(serve(service_name=SERVICE_NAME,

@@ -69,7 +69,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.draft_timeout = draft_timeout
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
         self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across Generate requests
-        self.forward_metrics = None  # callable(BatchInfo) observing each batched forward, with metrics
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:

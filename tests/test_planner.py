@@ -135,3 +135,29 @@ def test_prompt_lookup_that_matches_one_step_in_eight_is_priced_by_its_mean_cost
         d = 0.001 if arm == NGRAM else 0.0
         planner.observe(arm, rows, acc, d, d + verify, verify, 1, rows)
     assert chosen[16:].count(NGRAM) >= 130
+
+
+def test_a_table_wrong_only_for_wide_verifies_is_corrected_per_shape():
+    # The table says 8 rows cost 75 ms (1.5 AR steps); really they cost 150 ms (3 steps, e.g. a table profiled on
+    # a busy machine), while 1 row really costs the table's 50 ms. One accepted token per 8-row step + 5 ms of
+    # drafting: the table promises 2 tokens / 80 ms (25/s) vs AR's 20/s; the truth is 2 / 155 ms (12.9/s).
+    table = VerifyCosts(TABLES)
+
+    def real(rows: int) -> float:
+        return 0.150 if rows >= 8 else table.seconds(1, rows)
+
+    memory = PlannerMemory()
+    planner = StepPlanner([DSPARK], table, memory)
+    chosen = []
+    for step in range(1, 41):
+        arm = planner.choose(step)
+        chosen.append(arm)
+        rows, acc, d = (8, 1, 0.005) if arm == DSPARK else (1, 0, 0.0)
+        planner.observe(arm, rows, acc, d, d + real(rows), real(rows), 1, rows)
+    assert planner.speed_for(8) == pytest.approx(2.0) and planner.speed_for(1) == pytest.approx(1.0)
+    assert planner.forward_seconds(8) == pytest.approx(0.150)
+    assert chosen[0] == DSPARK and chosen[-10:] == [AR] * 10  # after a probe or two it settles on AR
+    assert planner.rate(DSPARK) == pytest.approx(2 / 0.155, rel=0.05)
+    # a single scale factor for every shape could not tell: it scales AR and the 8-row verify alike
+    planner.finish()
+    assert StepPlanner([DSPARK], table, memory).speed_for(8) == pytest.approx(2.0)  # remembered

@@ -152,3 +152,7 @@ def test_generate_exports_spec_decode_metrics(spec_target):
 
     assert value("dspark:spec_decode_num_drafts_total") >= stats.speculative_steps > 0
     assert value("dspark:spec_decode_num_accepted_tokens_total") >= sum(stats.accepted_per_position)
+    # the target's batched forwards (prefill, verifies, AR steps) on the same endpoint
+    assert value("dspark:target_forward_seconds_count") >= stats.steps > 0
+    assert value("dspark:target_forward_rows_sum") >= stats.prompt_tokens + stats.steps
+    assert value("dspark:target_forward_sessions_count") == value("dspark:target_forward_seconds_count")
