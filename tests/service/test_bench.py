@@ -121,3 +121,11 @@ def test_format_table_ratio_vs_ar():
                                                                      "acceptance_length": 2.5}}}}
     rows = format_table(result).splitlines()
     assert rows[2].split() == ["speculation", "1", "25.0", "2.50", "2.50", "1.00", "NO"]
+
+
+def test_humaneval_prompts_are_the_164_problems_as_completion_prompts():
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164
+    assert all(set(p) == {"prompt"} and "def " in p["prompt"] for p in prompts)
+    # each ends inside the function, where the model continues with the body
+    assert sum(p["prompt"].rstrip().endswith(('"""', "'''")) for p in prompts) >= 150
