@@ -47,7 +47,7 @@ class CostKey:
     threads: int = 0  # torch intra-op threads
     device: str = "cpu"
     context: int = 0  # committed rows the forwards attend to while profiling
-    lanes: int = 1  # concurrent sessions per forward (only 1 is profiled today)
+    lanes: int = 1  # concurrent sessions per forward (the target profiles 1, 2, 4, 8; the drafter 1, 2, 4)
 
     def digest(self) -> str:
         canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
