@@ -74,6 +74,22 @@ def test_code_prompts_are_ours_and_stable():
     assert all(p.id.startswith("doc-") and "Write a Python function" in p.text for p in more[len(base):])
 
 
+def test_training_code_tasks_are_not_near_duplicates_of_the_bench_prompts():
+    # the bench measures drafters on docs/prompts/heldout.jsonl: no training task may be (nearly) one of them
+    import re
+
+    def words(text: str) -> set[str]:
+        return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+    heldout = Path(__file__).resolve().parents[2] / "docs" / "prompts" / "heldout.jsonl"
+    bench = [item.get("prompt") or item["messages"][-1]["content"]
+             for item in map(json.loads, heldout.read_text(encoding="utf-8").splitlines()) if item]
+    for task in code_prompts(stdlib_docstrings=400):
+        for prompt in bench:
+            a, b = words(task.text), words(prompt)
+            assert len(a & b) / len(a | b) < 0.55, (task.text, prompt)
+
+
 def test_packed_generation_equals_one_prompt_at_a_time(tiny: Tiny):
     ps = prompts(3, 7)
     packed = generate_batch(tiny.model, ps, LAYER_IDS, 10, top_k=8, eos_ids=(EOS,))
