@@ -24,8 +24,9 @@ def parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--drafter", default=None,
                    help="DSpark drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators "
-                        "layout) or a GGUF from dspark-convert; 'random' = a seeded random drafter for the target "
-                        "(tests, demos); none = prompt lookup only")
+                        "layout) or a GGUF from dspark-convert; 'embedded' = the drafter shipped for the embedded "
+                        "SmolLM2-135M-Instruct; 'random' = a seeded random drafter for the target (tests, demos); "
+                        "none = prompt lookup only")
     s.add_argument("--proposer", choices=("dspark", "ngram", "hybrid"), default=None,
                    help="default proposer: hybrid (n-gram branches merged into the DSpark tree) with a drafter, "
                         "ngram (prompt lookup) without one")

@@ -55,6 +55,8 @@ from dspark_grpc.runtime.tree import tree_depths
 PROTOCOL_VERSION = 1
 KERNELS = ("auto", "fused", "torch")
 PROPOSERS = ("dspark", "ngram", "hybrid")
+# A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
+EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,10 @@ class DraftEngine:
     def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
              dtype: torch.dtype = torch.float32, limits: DraftLimits | None = None, progress: bool = True,
              seed: int = 0) -> DraftEngine:
-        """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target."""
+        """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target;
+        "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER)."""
+        if str(drafter_path) == "embedded":
+            drafter_path = EMBEDDED_DRAFTER
         target_path = Path(target_path) if target_path else default_model_path()
         ckpt = load_checkpoint(target_path, progress=progress)
         if ckpt.gguf_metadata is not None:

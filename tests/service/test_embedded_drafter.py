@@ -1,0 +1,45 @@
+"""The DSpark drafter shipped for the embedded SmolLM2 (`dspark-draft serve --drafter embedded`), through both
+services: lossless against AR, and a trained drafter — its own DSpark tokens get accepted, which a random drafter's
+never are — that merged with prompt lookup accepts at least as much per step as prompt lookup alone."""
+
+from __future__ import annotations
+
+import pytest
+from dspark_grpc.client import TargetClient
+from dspark_grpc.client.local_stack import local_drafter
+from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
+
+PROMPTS = [
+    [{"role": "user", "content": "Explain in three sentences why the sky is blue."}],
+    [{"role": "user", "content": "Write a Python function that returns the factorial of n."}],
+]
+
+
+@pytest.fixture(scope="module")
+def embedded_drafter() -> str:
+    if not (EMBEDDED_DRAFTER / "model.safetensors").is_file():
+        pytest.fail(f"the shipped drafter is missing: {EMBEDDED_DRAFTER}")
+    with local_drafter(["--drafter", "embedded", "--quiet"], echo=False) as address:
+        with TargetClient(address) as probe:
+            probe.wait_ready(timeout=300)
+        yield address
+
+
+def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(target_address, embedded_drafter):
+    with TargetClient(target_address, drafter=embedded_drafter) as client:
+        info = client.drafter_info()
+        assert info.name == EMBEDDED_DRAFTER.name
+        dspark_accepted, per_step = 0, {}
+        for messages in PROMPTS:
+            ar = client.generate(messages=messages, max_new_tokens=48, mode="ar")
+            for proposer, proposal in (("dspark", "chain"), ("ngram", "tree"), ("hybrid", "tree")):
+                spec = client.generate(messages=messages, max_new_tokens=48, mode="speculation", proposer=proposer,
+                                       proposal=proposal)
+                assert spec.token_ids == ar.token_ids, (proposer, proposal)
+                steps, tokens = per_step.get(proposer, (0, 0))
+                per_step[proposer] = (steps + spec.stats.steps, tokens + len(spec.token_ids))
+                if proposer == "dspark":
+                    dspark_accepted += spec.stats.accepted_by_proposer["dspark"]
+        assert dspark_accepted > 0  # a random drafter's DSpark tokens are never accepted
+        rate = {p: tokens / steps for p, (steps, tokens) in per_step.items()}
+        assert rate["hybrid"] >= rate["ngram"], rate
