@@ -162,7 +162,7 @@ class DraftEngine:
             name = Path(drafter_path).name
         if drafter is not None:
             check_drafter_fits_target(drafter, ckpt.config)
-            drafter = drafter.to(dtype).eval().requires_grad_(False)
+            drafter = drafter.to(dtype).eval().requires_grad_(False).pack()
         return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
 
     # -- sessions ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .drafter_config import DrafterConfig
 from .kv_cache import KVCache
+from .linear import Linear, pack_linears
 from .markov import ConfidenceHead, MarkovHead
 from .rope import rope_cos_sin, rope_inv_freq
 from .transformer import Block, RMSNorm, Segment
@@ -62,12 +63,12 @@ class Drafter(nn.Module):
         c = config
         self.config = c
         layer_config = c.layer_model_config()
-        self.fc = nn.Linear(c.fc_in_features, c.hidden_size, bias=False)
+        self.fc = Linear(c.fc_in_features, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(Block(layer_config) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)  # a frozen copy of the target's
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long) if c.draft_vocab_size < c.vocab_size else None
         self.register_buffer("d2t", d2t)  # target id = draft id + d2t[draft id]
         self.markov = (
@@ -83,6 +84,11 @@ class Drafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def pack(self) -> Drafter:
+        """Pre-pack the projections for CPU inference (runtime/linear.py); frozen drafters only."""
+        pack_linears(self)
+        return self
 
     @property
     def device(self) -> torch.device:

@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import CacheFullError, KVCache
+from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -80,18 +81,26 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.wq = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias)
-        self.wk = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
-        self.wv = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
-        self.wo = nn.Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
+        self.wq = Linear(c.hidden_size, q_dim, bias=c.attention_bias)
+        self.wk = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.wv = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.wo = Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.qkv: FusedProjection | None = None
+
+    def pack_fused(self) -> None:
+        self.qkv = FusedProjection.of([self.wq, self.wk, self.wv])
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V [num_kv_heads, T, head_dim] for rows x [T, hidden]."""
-        T = x.shape[0]
-        k = self.wk(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.wv(x).view(T, self.num_kv_heads, self.head_dim)
+        return self._rotate_kv(self.wk(x), self.wv(x), cos, sin)
+
+    def _rotate_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[0]
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
@@ -107,11 +116,12 @@ class Attention(nn.Module):
         """x [T, hidden] = the segments' rows, in order and covering [0, T); each attends only to its own K/V."""
         T = x.shape[0]
         assert segments[0].begin == 0 and segments[-1].end == T, (segments[0].begin, segments[-1].end, T)
-        q = self.wq(x).view(T, self.num_heads, self.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.reshape(T, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(0, 1), cos, sin)
-        k_new, v_new = self.project_kv(x, cos, sin)
+        k_new, v_new = self._rotate_kv(k, v, cos, sin)
         outs = []
         for seg in segments:
             k, v = seg.kv.update(k_new[:, seg.begin : seg.end], v_new[:, seg.begin : seg.end])
@@ -126,12 +136,17 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+        self.w1 = Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
+        self.w3 = Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
+        self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+        self.gate_up: FusedProjection | None = None
+
+    def pack_fused(self) -> None:
+        self.gate_up = FusedProjection.of([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.w1(x), self.w3(x))
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -168,8 +183,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.packed_lm_head: torch.Tensor | None = None
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -202,8 +218,15 @@ class Transformer(nn.Module):
         return KVCache.for_config(self.config, max_length, self.dtype, self.device, initial_capacity)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, weight)
+        if self.output is not None:
+            return self.output(x)
+        return linear(x, self.tok_embeddings.weight, packed=self.packed_lm_head)
+
+    def pack(self) -> Transformer:
+        """Pre-pack the projections and the (tied) lm_head for CPU inference (runtime/linear.py); frozen models only."""
+        pack_linears(self)
+        self.packed_lm_head = pack_weight(self.tok_embeddings.weight) if self.output is None else None
+        return self
 
     @torch.no_grad()
     def forward(

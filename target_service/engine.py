@@ -131,7 +131,7 @@ class TargetEngine:
             tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
         else:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
-        model = Transformer.from_checkpoint(ckpt, dtype=dtype)
+        model = Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
         if progress:
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
         return cls(model, tokenizer, ckpt.config.name or Path(path).name, limits or EngineLimits())

@@ -118,7 +118,7 @@ def load_target(path: str | None, device: torch.device) -> tuple[Transformer, Te
     else:
         tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
     digest = target_digest(ckpt)
-    return Transformer.from_checkpoint(ckpt).to(device), tokenizer, digest
+    return Transformer.from_checkpoint(ckpt).to(device).pack(), tokenizer, digest
 
 
 def select_prompts(args: argparse.Namespace) -> tuple[list[Prompt], list[Prompt]]:

@@ -50,3 +50,19 @@ def test_bad_batches_are_refused():
         drafter.forward_blocks([])
     with pytest.raises(ValueError, match="anchor token 512"):
         drafter.forward_blocks([(ctx, 3), (ctx, 512)])
+
+
+def test_packed_drafter_equals_unpacked():
+    """Drafter.pack (runtime/linear.py) gives the unpacked drafter's block outputs."""
+    drafter = init_random_drafter(TARGET, num_layers=2, block_size=4, target_layer_ids=(0, 3), seed=3)
+    drafter = drafter.eval().requires_grad_(False)
+    features = random_features(drafter.config, 6)
+    ctx = drafter.new_context()
+    ctx.append(features, 0)
+    plain = drafter.forward_block(ctx, 17)
+    ctx = drafter.pack().new_context()
+    ctx.append(features, 0)
+    packed = drafter.forward_block(ctx, 17)
+    assert drafter.fc.packed is not None and drafter.lm_head.packed is not None
+    torch.testing.assert_close(packed.base_logits, plain.base_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed.hidden_post_norm, plain.hidden_post_norm, rtol=1e-4, atol=1e-4)
