@@ -48,6 +48,7 @@ class CostKey:
     device: str = "cpu"
     context: int = 0  # committed rows the forwards attend to while profiling
     lanes: int = 1  # concurrent sessions per forward (the target profiles 1, 2, 4, 8; the drafter 1, 2, 4)
+    matmul: str = ""  # how the projections run ("onednn-packed", "aten"): a table of one must not price the other
 
     def digest(self) -> str:
         canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))

@@ -36,6 +36,7 @@ from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
+from dspark_grpc.runtime.linear import matmul_kind
 from dspark_grpc.runtime.markov import draft_chain
 from dspark_grpc.runtime.markov_triton import triton_runnable
 from dspark_grpc.runtime.ngram import (
@@ -345,7 +346,8 @@ class DraftEngine:
         lanes = tuple(sorted(set(lanes)))
         name = f"dspark:{drafter_fingerprint(d)}:{self.limits.default_kernel}:top{self.limits.tree_top_k}"
         dtype = str(d.dtype).removeprefix("torch.")
-        keys = [draft_key(self.target_fingerprint[0], name, dtype, d.device, context=context, lanes=n) for n in lanes]
+        keys = [draft_key(self.target_fingerprint[0], name, dtype, d.device, context=context, lanes=n,
+                          matmul=matmul_kind(d)) for n in lanes]
         measured: dict[int, CostTable] = {}
 
         def profile(key: CostKey) -> CostTable:  # the first table the cache lacks measures them all

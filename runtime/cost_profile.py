@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from dspark_grpc.client.cost_table import DEFAULT_SIZES, CostKey, CostTable, load_or_profile
 
+from .linear import matmul_kind
+
 if TYPE_CHECKING:
     from .transformer import Transformer
 
@@ -45,15 +47,16 @@ def _sync(device: torch.device) -> None:
 
 def target_key(model: Transformer, context: int = 128, lanes: int = 1) -> CostKey:
     return CostKey(kind="verify", model=model.config.fingerprint(), dtype=str(model.dtype).removeprefix("torch."),
-                   threads=torch.get_num_threads(), device=device_name(model.device), context=context, lanes=lanes)
+                   threads=torch.get_num_threads(), device=device_name(model.device), context=context, lanes=lanes,
+                   matmul=matmul_kind(model))
 
 
 def draft_key(model_fingerprint: str, drafter: str, dtype: str, device: torch.device | str, context: int = 128,
-              lanes: int = 1) -> CostKey:
+              lanes: int = 1, matmul: str = "") -> CostKey:
     """Key of a drafter table: `drafter` names the drafter and its weights (e.g. "dspark:<fingerprint>",
     "ngram"); model_fingerprint is its target's."""
     return CostKey(kind="draft", model=model_fingerprint, drafter=drafter, dtype=dtype, threads=torch.get_num_threads(),
-                   device=device_name(device), context=context, lanes=lanes)
+                   device=device_name(device), context=context, lanes=lanes, matmul=matmul)
 
 
 def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,

@@ -83,6 +83,12 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+def matmul_kind(model: nn.Module) -> str:
+    """"onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it)."""
+    packed = any(isinstance(m, Linear) and m.packed is not None for m in model.modules())
+    return "onednn-packed" if packed else "aten"
+
+
 def pack_linears(model: nn.Module) -> int:
     """Pack every `Linear` of a frozen model in place, and let modules with a `pack_fused()` (attention's q/k/v,
     the MLP's gate/up) build their fused projections; returns how many Linears were packed."""

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import prefill, verify_tree
-from dspark_grpc.runtime.linear import MIN_ROWS, FusedProjection, Linear, linear, pack_linears, pack_weight
+from dspark_grpc.runtime.linear import (
+    MIN_ROWS,
+    FusedProjection,
+    Linear,
+    linear,
+    matmul_kind,
+    pack_linears,
+    pack_weight,
+)
 from dspark_grpc.runtime.transformer import Transformer
 from runtime_helpers import hf_logits, random_tokens
 from transformers import AutoModelForCausalLM
@@ -72,7 +80,10 @@ def test_packed_model_matches_hf(name, tiny_hf_models):
     """Prefill and a branching tree verify through the packed model against HF on each root-to-node path."""
     path = tiny_hf_models[name]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = Transformer.from_checkpoint(load_checkpoint(path, progress=False)).pack()
+    model = Transformer.from_checkpoint(load_checkpoint(path, progress=False))
+    assert matmul_kind(model) == "aten"  # cost tables of packed and unpacked models are kept apart by this
+    model.pack()
+    assert matmul_kind(model) == "onednn-packed"
     assert all(layer.attention.qkv is not None and layer.feed_forward.gate_up is not None for layer in model.layers)
     assert model.output is not None or model.packed_lm_head is not None
     prompt, tree, parents = random_tokens(9, seed=1), random_tokens(5, seed=2), [-1, 0, 0, 1, 3]
