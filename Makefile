@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint protos clean
+.PHONY: demo test lint protos clean llama-cpp
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: $(STAMP)
 
 protos: $(STAMP)
 	$(BIN)/python -m dspark_grpc.protos.generate
+
+# The reference line of `dspark bench --baseline llama-cpp`: llama.cpp built from source (sdist only, ~12 min).
+llama-cpp: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install --no-deps llama-cpp-python==0.3.36
+	$(BIN)/pip install --quiet diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) build *.egg-info

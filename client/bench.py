@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -106,14 +108,18 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
+              baselines: tuple[str, ...] = (), log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
-    drafter: `drafter_checkpoint`, or a seeded random drafter) and stopped at the end.
+    drafter: `drafter_checkpoint`, or a seeded random drafter) and stopped at the end. `baselines` ("llama-cpp")
+    run after the modes, with the services stopped, as child processes of this one.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     _check_args(prompts, modes, max_new_tokens, concurrency)
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise ValueError(f"unknown baselines {sorted(unknown)}; known: {list(BASELINES)}")
     needs_drafter = any(parse_mode(m)[0] in DRAFTER_MODES for m in modes)
     sessions = str(max(16, 2 * max(concurrency)))
     started = []
@@ -164,8 +170,39 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
                 log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
                     f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
 
-    return {"command": list(command if command is not None else sys.argv), "machine": machine_info(),
-            "config": config, "results": results, "lossless": _lossless(results, concurrency)}
+    result = {"command": list(command if command is not None else sys.argv), "machine": machine_info(),
+              "config": config, "results": results, "lossless": _lossless(results, concurrency)}
+    if baselines:
+        result["baselines"] = {}
+    for name in baselines:
+        log(f"[bench] baseline {name}: {len(prompts)} prompts")
+        base = BASELINES[name](prompts, max_new_tokens, ignore_eos, target_model)
+        if "ar" in results:  # how many prompts gave exactly our AR output (a quantized engine may differ)
+            ours = results["ar"][str(concurrency[0])]["outputs"]
+            base["same_as_ar"] = sum(a == b for a, b in zip(base["outputs"], ours, strict=True))
+        result["baselines"][name] = base
+        log(f"[bench] baseline {name}: {base['generated_tokens']} tokens in {base['wall_s']:.2f} s, "
+            f"{base['tokens_per_s']:.1f} tok/s")
+    return result
+
+
+def llama_cpp_baseline(prompts: list[dict], max_new_tokens: int, ignore_eos: bool,
+                       target_model: str | None) -> dict:
+    """llama.cpp's greedy AR on the same GGUF and prompts (dspark_grpc.target_service.llama_cpp_baseline), run as
+    a child process so that the bench itself stays torch-free."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.json"
+        path.write_text(json.dumps(prompts))
+        cmd = [sys.executable, "-m", "dspark_grpc.target_service.llama_cpp_baseline", "--prompts-json", str(path),
+               "--max-new-tokens", str(max_new_tokens)]
+        cmd += (["--ignore-eos"] if ignore_eos else []) + (["--model", target_model] if target_model else [])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the llama.cpp baseline exited with {proc.returncode} (its message is above)")
+    return json.loads(proc.stdout)
+
+
+BASELINES: dict[str, Callable[[list[dict], int, bool, str | None], dict]] = {"llama-cpp": llama_cpp_baseline}
 
 
 def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int]) -> None:
@@ -267,6 +304,12 @@ def format_table(result: dict) -> str:
             same = {True: "yes", False: "NO"}.get(lossless.get(mode), "-")
             rows.append(f"{mode:<12} {c:>4} {e['tokens_per_s']:>8.1f} {ratio:>6} {e['acceptance_length']:>7.2f} "
                         f"{e['wall_s']:>7.2f}  {same}")
+    ar = results.get("ar", {}).get(str(result["config"]["concurrency"][0]))
+    for name, base in result.get("baselines", {}).items():
+        ratio = f"{base['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar and ar["tokens_per_s"] else "-"
+        same = f"{base['same_as_ar']}/{len(base['outputs'])} same" if "same_as_ar" in base else "-"
+        rows.append(f"{name + ' (AR)':<12} {1:>4} {base['tokens_per_s']:>8.1f} {ratio:>6} {1.0:>7.2f} "
+                    f"{base['wall_s']:>7.2f}  {same}")
     return "\n".join(rows)
 
 
@@ -284,6 +327,8 @@ def plot_bench(result: dict, path: str | Path) -> None:
             ppa = by_c[str(c)]["per_position_acceptance"]
             if ppa:
                 accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=f"{mode} c={c}")
+    for name, base in result.get("baselines", {}).items():
+        speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
     speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
               title=f"{result['config']['max_new_tokens']} new tokens, {result['config']['num_prompts']} prompts")
     speed.set_ylim(bottom=0)

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
+    b.add_argument("--baseline", action="append", default=[], choices=["llama-cpp"],
+                   help="also run another engine's AR on the same prompts after the modes, as a reference line: "
+                        "llama-cpp (needs llama-cpp-python: `make llama-cpp`)")
     _speculation_args(b)
     d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
                                      "with speculation, side by side")
@@ -222,11 +225,12 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
         p.error("give --drafter (a running service) or --drafter-checkpoint (start one), not both")
     if not Path(args.json_out).resolve().parent.is_dir():
         p.error(f"--json {args.json_out}: no such directory")
-    if args.plot:
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("matplotlib") is None:
-            p.error("--plot needs matplotlib (pip install matplotlib; it comes with the dev extra)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib; it comes with the dev extra)")
+    if "llama-cpp" in args.baseline and importlib.util.find_spec("llama_cpp") is None:
+        p.error("--baseline llama-cpp needs llama-cpp-python: run `make llama-cpp` (a ~12 minute source build)")
     try:
         prompts = load_prompts(args.prompts)
     except (OSError, ValueError) as e:
@@ -235,7 +239,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        args.proposal, args.budget, args.kernel, proposer=args.proposer, ignore_eos=args.ignore_eos,
                        drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
-                       command=command)
+                       command=command, baselines=tuple(args.baseline))
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))
     print(f"wrote {args.json_out}")

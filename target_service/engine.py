@@ -175,31 +175,10 @@ class TargetEngine:
     # -- prompt -----------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgument("the prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif prompt and isinstance(prompt[0], dict):
-            for m in prompt:
-                if not m.get("role"):
-                    raise InvalidArgument("every chat message needs a role (system, user or assistant)")
-            try:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            except ValueError as e:
-                raise InvalidArgument(f"cannot render the chat messages: {e}") from e
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = [int(t) for t in prompt]
-            self.check_tokens(ids, "prompt")
-        if not ids:
-            raise InvalidArgument("the prompt is empty")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.model.config.vocab_size)
 
     def check_tokens(self, ids: list[int], what: str) -> None:
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument(f"{what}: token ids {bad[:5]} out of range [0, {vocab})")
+        check_tokens(ids, what, self.model.config.vocab_size)
 
     # -- model steps --------------------------------------------------------------------------------
 
@@ -304,3 +283,31 @@ class TargetEngine:
         s.decoder.add(s.tokens[s.prompt_length :])
         return length, s.tokens[length]
 
+
+def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
+    """Prompt ids: text (special tokens added), chat messages (the model's chat template) or token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidArgument("the prompt is empty")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif prompt and isinstance(prompt[0], dict):
+        for m in prompt:
+            if not m.get("role"):
+                raise InvalidArgument("every chat message needs a role (system, user or assistant)")
+        try:
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        except ValueError as e:
+            raise InvalidArgument(f"cannot render the chat messages: {e}") from e
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = [int(t) for t in prompt]
+        check_tokens(ids, "prompt", vocab_size)
+    if not ids:
+        raise InvalidArgument("the prompt is empty")
+    return ids
+
+
+def check_tokens(ids: list[int], what: str, vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what}: token ids {bad[:5]} out of range [0, {vocab_size})")

@@ -129,3 +129,23 @@ def test_humaneval_prompts_are_the_164_problems_as_completion_prompts():
     assert all(set(p) == {"prompt"} and "def " in p["prompt"] for p in prompts)
     # each ends inside the function, where the model continues with the body
     assert sum(p["prompt"].rstrip().endswith(('"""', "'''")) for p in prompts) >= 150
+
+
+def test_format_table_has_a_reference_line_per_baseline():
+    entry = {"tokens_per_s": 20.0, "acceptance_length": 1.0, "wall_s": 1.0}
+    base = {"tokens_per_s": 50.0, "wall_s": 3.0, "outputs": [[1], [2]], "same_as_ar": 1, "generated_tokens": 2}
+    result = {"config": {"concurrency": [1]}, "lossless": {"ar": True}, "results": {"ar": {"1": entry}},
+              "baselines": {"llama-cpp": base}}
+    assert format_table(result).splitlines()[-1].split() == ["llama-cpp", "(AR)", "1", "50.0", "2.50", "1.00",
+                                                             "3.00", "1/2", "same"]
+
+
+def test_bench_refuses_an_uninstalled_baseline_before_running(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama-cpp-python is installed here")
+    run = dspark("bench", "--prompts", str(SMOKE), "--max-new-tokens", "4", "--json", str(tmp_path / "o.json"),
+                 "--baseline", "llama-cpp", timeout=60)
+    assert run.returncode == 2 and "make llama-cpp" in run.stderr
+    assert not (tmp_path / "o.json").exists()
