@@ -112,7 +112,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
-    drafter: `drafter_checkpoint`, or a seeded random drafter) and stopped at the end. `baselines` ("llama-cpp")
+    drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
+    and stopped at the end. `baselines` ("llama-cpp")
     run after the modes, with the services stopped, as child processes of this one.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -129,11 +130,14 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
             args = ["--max-sessions", sessions, "--quiet"] + (["--model", target_model] if target_model else [])
             target = stack.enter_context(local_target(args))
+            if drafter is None and needs_drafter:  # the two start-up cost profiles must not share the CPU
+                with TargetClient(target) as probe:
+                    probe.wait_ready(timeout=600)
         if drafter is None and needs_drafter:
             started.append("draft")
-            log(f"[bench] starting the draft service ({drafter_checkpoint or 'random drafter'})")
-            checkpoint = drafter_checkpoint or "random"  # "none": prompt lookup only
-            args = (["--drafter", checkpoint] if checkpoint != "none" else []) + ["--max-sessions", sessions, "--quiet"]
+            log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
+            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
+                                                                                         "--quiet"]
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else [])))
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--target", default=None, help="a running target service; default: start one")
     b.add_argument("--drafter", default=None, help="a running draft service; default: start one")
     b.add_argument("--drafter-checkpoint", default=None,
-                   help="checkpoint for the started draft service; default: a seeded random drafter; none: "
-                        "prompt lookup only")
+                   help="checkpoint for the started draft service (embedded, random, none = prompt lookup only, or "
+                        "a path); default: the draft service's (embedded for the embedded target)")
     b.add_argument("--target-model", default=None,
                    help="model for the started target service (and the started drafter's target)")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -150,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
                                      "with speculation, side by side")
     d.add_argument("--message", default=DEMO_MESSAGES[0]["content"])
-    d.add_argument("--drafter-checkpoint", default="none",
-                   help="what the started draft service drafts with: none = prompt lookup (no checkpoint), random = a "
-                        "random DSpark drafter, or a DSpark/DFlash checkpoint (HF directory or GGUF)")
+    d.add_argument("--drafter-checkpoint", default="embedded",
+                   help="what the started draft service drafts with: embedded = the DSpark drafter shipped for the "
+                        "embedded SmolLM2 (hybrid with prompt lookup), none = prompt lookup only, random = a random "
+                        "DSpark drafter, or a DSpark/DFlash checkpoint (HF directory or GGUF)")
     d.add_argument("--json", action="store_true")
     _generation_args(d)
     _speculation_args(d)
@@ -193,10 +195,14 @@ def _demo(args: argparse.Namespace) -> None:
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
           f"({args.drafter_checkpoint}) on free loopback ports...", file=sys.stderr, flush=True)
-    draft_args = (["--drafter", args.drafter_checkpoint] if args.drafter_checkpoint != "none" else []) + ["--quiet"]
-    with local_target(["--quiet"]) as target, local_drafter(draft_args) as drafter, \
-            TargetClient(target, drafter=drafter, proposal=args.proposal, budget=args.budget, kernel=args.kernel,
-                         proposer=args.proposer) as client:
+    draft_args = ["--drafter", args.drafter_checkpoint, "--quiet"]
+    with contextlib.ExitStack() as stack:
+        target = stack.enter_context(local_target(["--quiet"]))
+        with TargetClient(target) as probe:  # the two start-up cost profiles must not share the CPU
+            probe.wait_ready(timeout=300)
+        drafter = stack.enter_context(local_drafter(draft_args))
+        client = stack.enter_context(TargetClient(target, drafter=drafter, proposal=args.proposal, budget=args.budget,
+                                                  kernel=args.kernel, proposer=args.proposer))
         client.wait_ready(timeout=300)
         info, dinfo = client.model_info(), client.drafter_info()
         print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) at {target}; "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -82,10 +83,14 @@ class GenerationConfig:
 
 
 class DraftOps(Protocol):
-    """A DraftSession stream: one request, one response, in order; `timeout` bounds the wait for it."""
+    """A DraftSession stream: one response per request, in order; `timeout` bounds the wait for one."""
 
     def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None
              ) -> draft_pb2.DraftSessionResponse: ...
+
+    def send(self, request: draft_pb2.DraftSessionRequest) -> None: ...
+
+    def receive(self, timeout: float | None = None) -> draft_pb2.DraftSessionResponse: ...
 
 
 @dataclass
@@ -122,18 +127,34 @@ class Speculator:
         self.session_id = ""
         self.failure: str | None = None
         self._ids = iter(range(1, 1 << 62))
+        self._unanswered: deque[str] = deque()  # what each request sent and not yet answered was
+        self._failed_op: str | None = None
 
     @property
     def active(self) -> bool:
         return self.failure is None
 
     def _call(self, **op: object):
+        self._failed_op = None
+        self._send(**op)
+        while len(self._unanswered) > 1:  # pipelined appends: their replies come first, each checked
+            self._receive()
+        return self._receive()
+
+    def _send(self, **op: object) -> None:
         request = draft_pb2.DraftSessionRequest(request_id=next(self._ids), **op)
+        self._unanswered.append(next(iter(op)))
         try:
-            response = self.spec.drafter.call(request, timeout=self.spec.timeout_s)
+            self.spec.drafter.send(request)
+        except Exception as e:  # noqa: BLE001 - transport errors, a dead drafter: all fail closed
+            raise _request_error(e) from e
+
+    def _receive(self):
+        self._failed_op = self._unanswered.popleft()
+        try:
+            response = self.spec.drafter.receive(timeout=self.spec.timeout_s)
         except Exception as e:  # noqa: BLE001 - transport errors, timeouts, a dead drafter: all fail closed
-            raise RequestError(getattr(e, "code", 14) if isinstance(getattr(e, "code", None), int) else 14,
-                               f"{type(e).__name__}: {e}") from e
+            raise _request_error(e) from e
         response = checked(response)
         return getattr(response, response.WhichOneof("result"))
 
@@ -143,9 +164,12 @@ class Speculator:
         try:
             return self._call(**op)
         except RequestError as e:
-            self.failure = f"drafter {what} failed ({_CODE_NAMES.get(e.code, e.code)}: {e.message}); " \
-                           "continued target-only"
+            self._fail(self._failed_op or what, e)
             return None
+
+    def _fail(self, what: str, e: RequestError) -> None:
+        self.failure = f"drafter {what} failed ({_CODE_NAMES.get(e.code, e.code)}: {e.message}); " \
+                       "continued target-only"
 
     def open(self, target: common_pb2.Fingerprint) -> None:
         opened = self._guard("open", open=draft_pb2.OpenDraft(protocol_version=PROTOCOL_VERSION, target=target))
@@ -153,10 +177,16 @@ class Speculator:
             self.session_id = opened.session_id
 
     def append(self, start: int, tokens: list[int], capture: common_pb2.HiddenCapture) -> None:
+        """Send the committed rows without waiting: the reply (checked) is read before the next proposal's, which
+        saves a round trip per step."""
         op = draft_pb2.AppendContext(session_id=self.session_id, start_position=start, tokens=tokens)
         if capture.layer_ids:  # prompt lookup alone takes token ids only
             op.capture.CopyFrom(capture)
-        self._guard("append", append=op)
+        if self.active:
+            try:
+                self._send(append=op)
+            except RequestError as e:
+                self._fail("append", e)
 
     def propose(self, anchor: int, position: int, sampling: common_pb2.SamplingParams,
                 proposer: int | None = None) -> draft_pb2.Proposal | None:
@@ -306,6 +336,11 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             call(release=target_pb2.Release(session_id=sid))
         except Exception:  # noqa: BLE001 - the stream may already be gone; the server frees it then
             pass
+
+
+def _request_error(e: Exception) -> RequestError:
+    code = getattr(e, "code", None)
+    return RequestError(code if isinstance(code, int) else 14, f"{type(e).__name__}: {e}")
 
 
 def _draft_seed(seed: int, position: int) -> int:

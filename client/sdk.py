@@ -60,7 +60,15 @@ class SessionStream:
             self._replies.put(RequestError(e.code().value[0], e.details() or e.code().name))
 
     def call(self, request, timeout: float | None = None):
+        self.send(request)
+        return self.receive(timeout)
+
+    def send(self, request) -> None:
+        """Queue a request without waiting for its reply (replies come back in order: `receive` them)."""
         self._requests.put(request)
+
+    def receive(self, timeout: float | None = None):
+        """The reply to the oldest request not yet answered."""
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:

@@ -26,7 +26,8 @@ def parser() -> argparse.ArgumentParser:
                    help="DSpark drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators "
                         "layout) or a GGUF from dspark-convert; 'embedded' = the drafter shipped for the embedded "
                         "SmolLM2-135M-Instruct; 'random' = a seeded random drafter for the target (tests, demos); "
-                        "none = prompt lookup only")
+                        "'none' = prompt lookup only. Default: embedded for the embedded target (no "
+                        "--target-model), none otherwise")
     s.add_argument("--proposer", choices=("dspark", "ngram", "hybrid"), default=None,
                    help="default proposer: hybrid (n-gram branches merged into the DSpark tree) with a drafter, "
                         "ngram (prompt lookup) without one")
@@ -65,8 +66,10 @@ def main(argv: list[str] | None = None) -> None:
                          default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
     def load() -> None:
-        engine = DraftEngine.load(args.drafter, args.target_model, dtype=getattr(torch, args.dtype), limits=limits,
-                                  progress=not args.quiet, seed=args.seed)
+        drafter = args.drafter or ("embedded" if args.target_model is None else "none")
+        engine = DraftEngine.load(None if drafter == "none" else drafter, args.target_model,
+                                  dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
+                                  seed=args.seed)
         if engine.drafter is not None and not args.no_cost_profile:
             t0 = time.perf_counter()
             tables = engine.profile_costs(args.cost_cache or default_cache_dir())

@@ -70,7 +70,9 @@ def test_compose_services(compose_binary, tmp_path):
         assert s["healthcheck"]["test"] == ["CMD", "dspark", "health", f"127.0.0.1:{port}", "--service", grpc_service]
         assert [p["target"] for p in s["ports"]] == [port]
     draft = services["draft"]["command"]
-    assert draft[draft.index("--drafter") + 1] == "random"
+    assert draft[draft.index("--drafter") + 1] == "embedded"
+    # the draft service's start-up cost profile waits for the target's
+    assert services["draft"]["depends_on"] == {"target": {"condition": "service_healthy"}}
 
     client = services["client"]
     assert {k: v["condition"] for k, v in client["depends_on"].items()} == {"target": "service_healthy",
