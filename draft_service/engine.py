@@ -216,8 +216,10 @@ class DraftEngine:
             raise FailedPrecondition(f"rows [{start}, {start + overlap}) differ from the rows already held; "
                                      "truncate the context first")
         if overlap < n:
-            if s.context is not None:
-                s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
+            if s.context is not None:  # fc + K/V of the new rows, on the drafter's worker (runtime/batching.py)
+                assert self._passes is not None
+                rows = features[overlap:].to(self.drafter.dtype)
+                self._passes.call(lambda: s.context.append(rows, start + overlap))
             s.index.extend(tokens[overlap:])
         return s.length
 
@@ -318,8 +320,8 @@ class DraftEngine:
             raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
                                      "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
         assert self._passes is not None and s.context is not None
-        out, info = self._passes.submit((s.context, anchor_token))
-        result = dspark_proposal(d, out, anchor_token, tree, budget, kernel, temperature, generator, self.limits)
+        result, info = self._passes.submit((s.context, anchor_token), then=lambda out: dspark_proposal(
+            d, out, anchor_token, tree, budget, kernel, temperature, generator, self.limits))
         result.batch_sessions = info.jobs
         return result
 

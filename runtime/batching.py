@@ -5,6 +5,12 @@ batch (`run_batch(jobs) -> results`, in order), up to `max_rows` rows. A lone jo
 session pays only a thread hand-off; under load, sessions that step at the same time share one pass over the
 weights. A batch that raises is re-run one job at a time, so one bad job fails alone.
 
+All torch work of a service should run on this one worker: `submit(job, then=...)` runs a job's own
+post-processing (acceptance, building a draft) right after its batch, and `call(fn)` runs any other computation
+between batches. A second thread that runs parallel torch ops gets an OpenMP team of its own, and with more
+OpenMP threads than cores libgomp stops spinning between parallel regions: every forward then costs ~25 % more
+on 2 cores (measured: 1-row SmolLM2 forward 33 -> 43 ms; docs/PERFORMANCE.md).
+
 Sessions come back at slightly different times after a batch (each accepts, commits and answers its client
 first). Taking only the first to return would split them into alternating half batches, so the worker waits up
 to `gather` x the last batch's seconds for every session (`session(job)`) seen in the last two batches to queue
@@ -17,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,9 @@ class _Ticket(Generic[J, R]):
     rows: int
     done: threading.Event
     session: Hashable
-    result: R | None = None
+    then: Callable[[R], Any] | None = None  # the job's post-processing, on the worker, after its batch
+    call: Callable[[], Any] | None = None  # not a job: a computation to run alone on the worker
+    result: Any = None
     error: BaseException | None = None
     info: BatchInfo | None = None
 
@@ -60,10 +69,22 @@ class StepBatcher(Generic[J, R]):
         self._worker = threading.Thread(target=self._loop, name=name, daemon=True)
         self._worker.start()
 
-    def submit(self, job: J) -> tuple[R, BatchInfo]:
-        """Run `job` in the next batch; blocks until it ran. Re-raises the job's own error."""
+    def submit(self, job: J, then: Callable[[R], T] | None = None) -> tuple[R | T, BatchInfo]:
+        """Run `job` in the next batch; blocks until it ran. Re-raises the job's own error. `then(result)`, if
+        given, runs on the worker right after the batch and its return value replaces the result."""
         ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event(),
-                                        self.session(job) if self.session is not None else None)
+                                        self.session(job) if self.session is not None else None, then)
+        self._wait(ticket)
+        assert ticket.info is not None
+        return ticket.result, ticket.info
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the worker between batches (not batched); blocks until it ran; re-raises its error."""
+        ticket: _Ticket[J, R] = _Ticket(None, 0, threading.Event(), None, call=fn)  # type: ignore[arg-type]
+        self._wait(ticket)
+        return ticket.result
+
+    def _wait(self, ticket: _Ticket[J, R]) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the step batcher is closed")
@@ -72,8 +93,6 @@ class StepBatcher(Generic[J, R]):
         ticket.done.wait()
         if ticket.error is not None:
             raise ticket.error
-        assert ticket.info is not None
-        return ticket.result, ticket.info  # type: ignore[return-value]
 
     def close(self) -> None:
         with self._cv:
@@ -87,6 +106,8 @@ class StepBatcher(Generic[J, R]):
                 self._cv.wait()
             if not self._queue:
                 return None
+            if self._queue[0].call is not None:
+                return [self._queue.pop(0)]
             expected = self._recent[0] | self._recent[1]
             deadline = time.perf_counter() + self.gather * self._last_seconds
             while not self._closed and not expected <= {t.session for t in self._queue}:
@@ -96,20 +117,36 @@ class StepBatcher(Generic[J, R]):
                 self._cv.wait(left)
             batch = [self._queue.pop(0)]
             rows = batch[0].rows
-            while self._queue and rows + self._queue[0].rows <= self.max_rows:
+            while self._queue and self._queue[0].call is None and rows + self._queue[0].rows <= self.max_rows:
                 rows += self._queue[0].rows
                 batch.append(self._queue.pop(0))
             return batch
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
+            if batch[0].call is not None:
+                self._run_call(batch[0])
+                continue
             self._run(batch)
             if len(batch) > 1 and any(t.error is not None for t in batch):
                 for t in batch:  # isolate the failing job(s)
                     t.error = None
                     self._run([t])
             for t in batch:
+                if t.then is not None and t.error is None:
+                    try:
+                        t.result = t.then(t.result)
+                    except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
+                        t.error = e
                 t.done.set()
+
+    @staticmethod
+    def _run_call(ticket: _Ticket[J, R]) -> None:
+        try:
+            ticket.result = ticket.call()  # type: ignore[misc]
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            ticket.error = e
+        ticket.done.set()
 
     def _run(self, batch: list[_Ticket[J, R]]) -> None:
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -103,7 +104,7 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loading = loop.run_in_executor(None, load)
+    loading = _in_own_thread(loop, load)
     done, _ = await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading in done:
         if loading.exception() is not None:
@@ -117,3 +118,20 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
     print(f"{log_prefix} shutting down (grace {grace_s:g} s)", flush=True)
     await health.enter_graceful_shutdown()
     await server.stop(grace_s)
+
+
+def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> asyncio.Future:
+    """Run `fn` in a thread that ends with it: torch gives each thread that runs parallel ops an OpenMP team,
+    and a team left behind (e.g. in an idle executor thread) slows every later forward (runtime/batching.py)."""
+    future = loop.create_future()
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(future.set_exception, e)
+        else:
+            loop.call_soon_threadsafe(future.set_result, None)
+
+    threading.Thread(target=body, name="load", daemon=True).start()
+    return future

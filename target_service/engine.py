@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +195,8 @@ class TargetEngine:
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
         with s.lock:
             logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=self._forward)
-            next_token = int(accept_tree(logits[None], [0], [-1], s.sampling, s.generator)[1])
+            next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
+                                                                   s.generator))[1])
         s.tokens = [*ids, next_token]
         s.prompt_length = len(ids)
         s.decoder = IncrementalDecoder(self.tokenizer)
@@ -220,25 +222,32 @@ class TargetEngine:
             raise ResourceExhausted(f"context full: {s.cache.length} rows committed, a tree of depth {depth} "
                                     f"does not fit in max_length {s.max_length}")
         batches: list[BatchInfo] = []
-        with s.lock:
-            s.cache.discard()
-            logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers,
-                                           forward=lambda inp: self._forward(inp, batches))
+        accepted: list[tuple[list[int], int]] = []
+
+        def accept(out: ForwardOutput) -> ForwardOutput:  # on the batcher's worker (runtime/batching.py)
             n = len(tokens) - 1
             if draft_ids is not None and n and not s.sampling.is_greedy and parents == list(range(-1, n)):
                 try:
-                    path, next_token = accept_chain(logits, tokens, draft_ids[:n], draft_logprobs[:n], s.sampling,
-                                                    s.generator)
+                    accepted.append(accept_chain(out.logits, tokens, draft_ids[:n], draft_logprobs[:n], s.sampling,
+                                                 s.generator))
                 except ValueError as e:
                     raise InvalidArgument(f"draft distributions: {e}") from e
             else:
-                path, next_token = accept_tree(logits, tokens, parents, s.sampling, s.generator)
+                accepted.append(accept_tree(out.logits, tokens, parents, s.sampling, s.generator))
+            return out
+
+        with s.lock:
+            s.cache.discard()
+            logits, captures = verify_tree(self.model, s.cache, tokens, parents, s.capture_layers,
+                                           forward=lambda inp: self._forward(inp, batches, then=accept))
+        path, next_token = accepted[0]
         s.pending_tree = PendingTree(list(tokens), list(parents), captures)
         committed = self._commit(s, path, next_token) if commit else None
         return Verified(path, next_token, logits if return_logits else None, committed, batches[-1])
 
-    def _forward(self, inp: SequenceInput, batches: list[BatchInfo] | None = None) -> ForwardOutput:
-        out, info = self.batcher.submit(inp)
+    def _forward(self, inp: SequenceInput, batches: list[BatchInfo] | None = None,
+                 then: Callable[[ForwardOutput], ForwardOutput] | None = None) -> ForwardOutput:
+        out, info = self.batcher.submit(inp, then)
         if batches is not None:
             batches.append(info)
         return out

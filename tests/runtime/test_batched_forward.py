@@ -174,6 +174,34 @@ def test_step_batcher_fails_only_the_bad_job():
         batcher.submit(1)
 
 
+def test_step_batcher_runs_then_and_calls_on_its_worker():
+    """Post-processing (`then`) and side computations (`call`) run on the one worker thread, in queue order,
+    never inside a batch; a failing `then` fails only its own job."""
+    threads: list[str] = []
+
+    def run_batch(jobs: list[int]) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return [j * 10 for j in jobs]
+
+    batcher = StepBatcher(run_batch, name="the-worker")
+
+    def then(value: int) -> int:
+        threads.append(threading.current_thread().name)
+        if value == 30:
+            raise KeyError("then failed")
+        return value + 1
+
+    assert batcher.submit(2, then=then)[0] == 21
+    with pytest.raises(KeyError, match="then failed"):
+        batcher.submit(3, then=then)
+    assert batcher.submit(4)[0] == 40  # the batcher goes on
+    assert batcher.call(lambda: threading.current_thread().name) == "the-worker"
+    with pytest.raises(ZeroDivisionError):
+        batcher.call(lambda: 1 / 0)
+    assert set(threads) == {"the-worker"} and len(threads) == 5
+    batcher.close()
+
+
 def test_step_batcher_waits_briefly_for_a_late_session_instead_of_splitting_the_batch():
     batches, release = [], threading.Event()
 

@@ -125,7 +125,10 @@ def test_concurrent_sessions_share_a_pass_and_propose_what_each_proposes_alone()
     engine.close()
 
 
-def test_an_append_waits_for_its_sessions_proposal_but_not_for_others():
+def test_appends_run_on_the_drafter_worker_after_the_pass_in_flight():
+    """Appends (fc + K/V of the new rows) run on the drafter's one worker thread between passes (a second thread
+    running torch would slow every pass; runtime/batching.py): an append of session a waits for a's proposal, and
+    one of session b waits for that pass too; the proposal drafts from the rows it was asked about."""
     engine = tiny_engine()
     a, b = open_with_context(engine, 6, 1), open_with_context(engine, 9, 2)
     expected = propose(engine, a, 3, 6, {"proposer": "dspark"})
@@ -137,20 +140,21 @@ def test_an_append_waits_for_its_sessions_proposal_but_not_for_others():
     proposing.start()
     while not engine._passes._queue and gate.first:  # until the proposal is in (or waiting at) the gate
         time.sleep(0.005)
-    # another session is not held up by session a's pass
-    assert engine.append(b, 9, [1, 2, 3], layers, more) == 12
-    appending = threading.Thread(target=lambda: gate.log.append(("appended", engine.append(a, 6, [1, 2, 3], layers,
-                                                                                          more))))
-    appending.start()
-    appending.join(timeout=0.3)  # a chance to run; it must wait for session a's proposal
+    appending = [threading.Thread(target=lambda sid=sid, start=start: gate.log.append(
+        ("appended", engine.append(sid, start, [1, 2, 3], layers, more)))) for sid, start in ((b, 9), (a, 6))]
+    for t in appending:
+        t.start()
+    for t in appending:
+        t.join(timeout=0.3)  # a chance to run; both wait for the pass in flight
+    assert all(t.is_alive() for t in appending)
     release.set()
-    proposing.join()
-    appending.join()
+    for t in (proposing, *appending):
+        t.join()
     kinds = [entry[0] for entry in gate.log]
     assert kinds.index("pass") < kinds.index("appended"), gate.log
     result = next(entry[1] for entry in gate.log if entry[0] == "result")
     assert result.tokens == expected.tokens  # drafted from the 6 rows it was asked about
-    assert ("appended", 9) in gate.log
+    assert ("appended", 12) in gate.log and ("appended", 9) in gate.log
     engine.close()
 
 
