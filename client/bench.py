@@ -5,7 +5,9 @@ on free loopback ports unless addresses are given. Greedy, EOS honoured. Torch-f
 only by `plot_bench`.
 
 Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode and concurrency):
-- tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish).
+- tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish). At
+  concurrency 1 the modes are interleaved (each prompt in every mode, then the next prompt) and the wall time is
+  the sum of the mode's request times, so a slow drift of the machine's speed does not favour one mode.
 - acceptance_length: sum(generated - 1) / sum(target steps): tokens committed per target forward, bonus
   included (the prefill's token is no decode step's).
 - per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1, pooled over all requests from the
@@ -167,9 +169,14 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
 
         results: dict[str, dict[str, dict]] = {m: {} for m in modes}
         for c in concurrency:
+            if c == 1:  # one prompt in every mode, then the next: a drift of the machine's speed hits all modes
+                entries = _run_interleaved(client, prompts, modes, max_new_tokens, log, ignore_eos)
             for mode in modes:
-                log(f"[bench] {mode} c={c}: {len(prompts)} prompts")
-                entry = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
+                if c == 1:
+                    entry = entries[mode]
+                else:
+                    log(f"[bench] {mode} c={c}: {len(prompts)} prompts")
+                    entry = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
                 results[mode][str(c)] = entry
                 log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
                     f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
@@ -234,6 +241,23 @@ def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int,
                            **overrides)
 
 
+def _run_interleaved(client: TargetClient, prompts: list[dict], modes: list[str], max_new_tokens: int,
+                     log: Callable[[str], None], ignore_eos: bool = False) -> dict[str, dict]:
+    """Concurrency 1: each prompt in every mode before the next prompt; a mode's wall time is the sum of its
+    requests' times."""
+    runs: dict[str, list[GenerationResult]] = {m: [] for m in modes}
+    walls = dict.fromkeys(modes, 0.0)
+    for i, prompt in enumerate(prompts):
+        for mode in modes:
+            t0 = time.perf_counter()
+            r = _request(client, prompt, mode, max_new_tokens, ignore_eos)
+            walls[mode] += time.perf_counter() - t0
+            runs[mode].append(r)
+            log(f"  [{mode} c=1] {i + 1}/{len(prompts)}: {r.stats.generated_tokens} tokens, {r.stats.steps} steps, "
+                f"{r.finish_reason}")
+    return {mode: _aggregate(runs[mode], walls[mode]) for mode in modes}
+
+
 def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tokens: int, c: int,
                log: Callable[[str], None], ignore_eos: bool = False) -> dict:
     """All prompts with c requests in flight; aggregates their stats."""
@@ -252,6 +276,10 @@ def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tok
         t0 = time.perf_counter()
         rs = list(pool.map(one, prompts))
         wall = time.perf_counter() - t0
+    return _aggregate(rs, wall)
+
+
+def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
     stats = [r.stats for r in rs]
     generated = sum(s.generated_tokens for s in stats)
     steps = sum(s.steps for s in stats)
