@@ -196,7 +196,10 @@ class DraftEngine:
         """Rows [start, start + n). Rows already held must be identical (idempotent); a gap is refused."""
         s = self.sessions.get(session_id)
         with s.lock:
-            return self._append(s, start, tokens, layer_ids, features)
+            if self._passes is None:
+                return self._append(s, start, tokens, layer_ids, features)
+            # the features' conversion and the new rows' fc + K/V run on the drafter's worker (runtime/batching.py)
+            return self._passes.call(lambda: self._append(s, start, tokens, layer_ids, features))
 
     def _append(self, s: DraftSession, start: int, tokens: list[int], layer_ids: list[int],
                 features: torch.Tensor | None) -> int:
@@ -216,10 +219,8 @@ class DraftEngine:
             raise FailedPrecondition(f"rows [{start}, {start + overlap}) differ from the rows already held; "
                                      "truncate the context first")
         if overlap < n:
-            if s.context is not None:  # fc + K/V of the new rows, on the drafter's worker (runtime/batching.py)
-                assert self._passes is not None
-                rows = features[overlap:].to(self.drafter.dtype)
-                self._passes.call(lambda: s.context.append(rows, start + overlap))
+            if s.context is not None:
+                s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
             s.index.extend(tokens[overlap:])
         return s.length
 

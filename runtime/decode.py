@@ -45,7 +45,9 @@ def prefill(
             chunk, positions, cache, logits_rows=torch.tensor([T - 1]), capture_layers=tuple(capture_layers)))
         cache.commit(range(T))
         captures.append(out.captures)
-    return out.logits[0], torch.cat(captures) if capture_layers else None
+    if not capture_layers:
+        return out.logits[0], None
+    return out.logits[0], captures[0] if len(captures) == 1 else torch.cat(captures)
 
 
 def verify_tree(
@@ -72,11 +74,8 @@ def tree_input(cache: KVCache, tokens: Sequence[int], parents: Sequence[int],
     """The forward input of a (validated) tree on top of the cache's committed rows."""
     n, start = len(tokens), cache.length
     positions = torch.tensor(tree_depths(parents), dtype=torch.long) + start
-    mask = None
-    if n > 1:
-        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), ancestor_mask(parents)], dim=1)
-    return SequenceInput(torch.tensor(list(tokens), dtype=torch.long), positions, cache, mask,
-                         capture_layers=tuple(capture_layers))
+    return SequenceInput(torch.tensor(list(tokens), dtype=torch.long), positions, cache,
+                         new_rows_mask=ancestor_mask(parents) if n > 1 else None, capture_layers=tuple(capture_layers))
 
 
 def commit_path(cache: KVCache, path: Sequence[int]) -> None:

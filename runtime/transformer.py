@@ -55,6 +55,9 @@ class SequenceInput:
     mask: torch.Tensor | None = None  # [T, cache.length + T] bool; None: committed rows + causal
     logits_rows: torch.Tensor | None = None  # which rows get logits; None: all
     capture_layers: tuple[int, ...] = ()
+    # [T, T] bool instead of `mask`: the new rows among themselves, every committed row visible (built in the
+    # forward, on the batcher's worker: a large mask built on a request thread costs it an OpenMP team)
+    new_rows_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -261,6 +264,9 @@ class Transformer(nn.Module):
             T = b.tokens.shape[0]
             start = b.cache.begin(T)
             mask = b.mask.to(self.device) if b.mask is not None else None
+            if b.new_rows_mask is not None:
+                mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device),
+                                  b.new_rows_mask.to(self.device)], dim=1)
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
             bounds.append((begin, begin + T))
             begin += T
@@ -299,6 +305,9 @@ class Transformer(nn.Module):
             raise ValueError(f"capture layer ids {bad} outside 0..{self.config.num_layers - 1}")
         if mask is not None and (mask.dtype != torch.bool or mask.shape != (T, cache.length + T)):
             raise ValueError(f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}")
+        rows_mask = b.new_rows_mask
+        if rows_mask is not None and (mask is not None or rows_mask.dtype != torch.bool or rows_mask.shape != (T, T)):
+            raise ValueError(f"new_rows_mask must be bool [{T}, {T}] and come without mask")
         if cache.dtype != self.dtype:
             raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:

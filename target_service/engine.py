@@ -194,7 +194,8 @@ class TargetEngine:
         s.sampling = sampling or SamplingParams()
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
         with s.lock:
-            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=self._forward)
+            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers,
+                                       forward=lambda inp: self._forward(inp, then=wire_captures))
             next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
                                                                    s.generator))[1])
         s.tokens = [*ids, next_token]
@@ -234,7 +235,7 @@ class TargetEngine:
                     raise InvalidArgument(f"draft distributions: {e}") from e
             else:
                 accepted.append(accept_tree(out.logits, tokens, parents, s.sampling, s.generator))
-            return out
+            return wire_captures(out)
 
         with s.lock:
             s.cache.discard()
@@ -272,7 +273,8 @@ class TargetEngine:
         emitted = [tree.tokens[n] for n in path[1:]] + [next_token]
         s.tokens = s.tokens[:start] + [tree.tokens[n] for n in path] + [next_token]
         assert len(s.tokens) == s.cache.length + 1
-        captures = tree.captures[path] if tree.captures is not None else None
+        # index_select, not captures[path]: advanced indexing opens an OpenMP team even on a few rows
+        captures = tree.captures.index_select(0, torch.tensor(path)) if tree.captures is not None else None
         texts = [s.decoder.add(t) for t in emitted]
         return Committed(start, captures, emitted, texts, s.cache.length)
 
@@ -291,6 +293,14 @@ class TargetEngine:
         s.decoder = IncrementalDecoder(self.tokenizer)
         s.decoder.add(s.tokens[s.prompt_length :])
         return length, s.tokens[length]
+
+
+def wire_captures(out: ForwardOutput) -> ForwardOutput:
+    """Captures in bf16, their wire format, converted on the batcher's worker: a large conversion on a request
+    thread would give that thread an OpenMP team of its own and slow every later forward (runtime/batching.py)."""
+    if out.captures is not None:
+        out.captures = out.captures.to(torch.bfloat16)
+    return out
 
 
 def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
