@@ -97,6 +97,9 @@ def test_forward_batch_refuses_a_shared_cache_and_bad_input_before_touching_any_
         ours.forward_batch([tree_input(a, [4], [-1]), tree_input(a, [5], [-1])])
     with pytest.raises(ValueError, match="token ids"):
         ours.forward_batch([tree_input(a, [4], [-1]), tree_input(b, [10**6], [-1])])
+    bad_rows_mask = SequenceInput(torch.tensor([4, 5]), torch.tensor([3, 4]), a, new_rows_mask=torch.ones(3, 3).bool())
+    with pytest.raises(ValueError, match="new_rows_mask"):
+        ours.forward_batch([bad_rows_mask])
     assert a.pending == 0 and b.pending == 0 and a.length == 3
 
 
