@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.client.cost_table import default_cache_dir
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
@@ -44,7 +45,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
                         "a free port")
-    add_serve_arguments(s, default_port=50052)
+    add_serve_arguments(s, default_port=50052, default_threads=1,
+                        threads_help="torch threads; 0 = torch's default. One by default: the drafter is small, and "
+                                     "a second OpenMP thread mostly takes a core from a target on the same machine "
+                                     "(measured in docs/PERFORMANCE.md)")
     return p
 
 

@@ -23,12 +23,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prefill capture of a few thous
 DTYPES = ("float32", "bfloat16")
 
 
-def add_serve_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_threads: int = 0,
+                        threads_help: str = "torch threads; 0 = torch's default") -> None:
     """The flags both `serve` commands share."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=default_port, help="0 picks a free port (printed at start-up)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    p.add_argument("--threads", type=int, default=default_threads, help=threads_help)
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.serving import add_serve_arguments, serve

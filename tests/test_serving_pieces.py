@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -107,3 +108,28 @@ def test_client_sdk_does_not_import_torch():
             "bad = [m for m in ('torch', 'numpy', 'dspark_grpc.runtime', 'dspark_grpc.target_service') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("module", ["dspark_grpc.target_service.cli", "dspark_grpc.draft_service.cli"])
+def test_service_cli_sets_the_openmp_spin_count_before_torch_loads(module):
+    # libgomp reads GOMP_SPINCOUNT once, when torch loads it: the service's own import must set it first, and a value
+    # the user exported must win.
+    code = (f"import os; import {module}; from dspark_grpc.runtime import openmp; "
+            "print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from dspark_grpc.runtime.openmp import SPIN_COUNT
+
+    assert out.stdout.split() == [SPIN_COUNT, "True"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "123"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["123", "True"], out.stderr
+
+
+def test_draft_service_defaults_to_one_torch_thread():
+    from dspark_grpc.draft_service.cli import parser as draft_parser
+    from dspark_grpc.target_service.cli import parser as target_parser
+
+    assert draft_parser().parse_args(["serve"]).threads == 1
+    assert target_parser().parse_args(["serve"]).threads == 0  # torch's default: the target gets every core
