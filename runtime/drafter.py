@@ -23,6 +23,8 @@ from .markov import ConfidenceHead, MarkovHead
 from .rope import rope_cos_sin, rope_inv_freq
 from .transformer import Block, RMSNorm, Segment
 
+MARKOV_BIAS_CACHE = 1024  # previous tokens whose Markov bias a packed drafter keeps (32 MB at 8192 draft tokens)
+
 
 @dataclass
 class BlockOutput:
@@ -86,8 +88,11 @@ class Drafter(nn.Module):
         return self.fc.weight.dtype
 
     def pack(self) -> Drafter:
-        """Pre-pack the projections for CPU inference (runtime/linear.py); frozen drafters only."""
+        """Pre-pack the projections for CPU inference (runtime/linear.py) and cache a vanilla Markov head's biases
+        (MarkovHead.cache_biases); frozen drafters only."""
         pack_linears(self)
+        if self.markov is not None and self.markov.kind == "vanilla" and not self.markov.w2.weight.requires_grad:
+            self.markov.cache_biases(MARKOV_BIAS_CACHE)
         return self
 
     @property

@@ -6,6 +6,8 @@ W1 is indexed by target ids, W2 produces draft-vocab logits; `d2t` holds offsets
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,9 @@ class MarkovHead(nn.Module):
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        self._biases: OrderedDict[int, Tensor] | None = None  # see cache_biases
+        self._biases_capacity = 0
+        self._biases_lock = threading.Lock()
 
     @property
     def target_vocab(self) -> int:
@@ -64,7 +69,37 @@ class MarkovHead(nn.Module):
              state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """-> (bias [draft_vocab] fp32, new state). Vanilla ignores hidden_row and state."""
         _, v, state = self.step_vector(prev_token, hidden_row, state)
-        return self.w2.weight.float() @ v, state
+        return self.project(v, prev_token), state
+
+    def cache_biases(self, capacity: int) -> MarkovHead:
+        """Serving: keep W2 · W1[prev] of the last `capacity` previous tokens (fp32 rows of draft_vocab).
+
+        A vanilla head's bias depends on the previous token only, and a chain step's matrix-vector product reads
+        all of W2 (2 MB at 8192 x 64): on a CPU it cost about as much as the rest of the proposal. Frozen vanilla
+        heads only; the cached rows are the products themselves, so chains are bit-identical."""
+        if self.kind != "vanilla" or self.w2.weight.requires_grad:
+            raise ValueError("only a frozen vanilla Markov head can cache its biases")
+        if capacity <= 0:
+            raise ValueError(f"bias cache capacity must be positive, got {capacity}")
+        self._biases, self._biases_capacity = OrderedDict(), capacity
+        return self
+
+    def project(self, v: Tensor, prev_token: int) -> Tensor:
+        """W2 · v [draft_vocab] fp32, where v came from step_vector(prev_token) (the cache's key, see
+        cache_biases)."""
+        if self._biases is None:
+            return self.w2.weight.float() @ v
+        with self._biases_lock:
+            row = self._biases.get(prev_token)
+            if row is not None:
+                self._biases.move_to_end(prev_token)
+                return row
+        row = self.w2.weight.float() @ v
+        with self._biases_lock:
+            self._biases[prev_token] = row
+            if len(self._biases) > self._biases_capacity:
+                self._biases.popitem(last=False)
+        return row
 
 
 class ConfidenceHead(nn.Module):
@@ -154,7 +189,6 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
     sampled token is drawn from the top-k truncated softmax(Z_k / T), and that distribution is returned."""
     _check_inputs(base_logits, anchor, markov, d2t)
     n = base_logits.shape[0]
-    w2 = None if markov is None else markov.w2.weight.float()
     state = None if markov is None else markov.init_state()
     prev, draft_tokens, tokens, logprobs, embeddings, logits = anchor, [], [], [], [], []
     sparse_ids, sparse_lps = [], []
@@ -162,7 +196,7 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
         z = base_logits[k].float()
         if markov is not None:
             e, v, state = markov.step_vector(prev, None if hidden_post is None else hidden_post[k], state)
-            z = z + w2 @ v
+            z = z + markov.project(v, prev)
             embeddings.append(e)
         if temperature > 0 and sample_top_k > 0:
             ids, lps = draft_sparse_distribution(z[None], temperature, sample_top_k)

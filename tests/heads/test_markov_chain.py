@@ -208,3 +208,29 @@ def test_bad_inputs():
         draft_chain(u, h_pre, h_post, 1, None, conf, kernel="torch")
     with pytest.raises(ValueError, match="temperature"):
         draft_chain(u, h_pre, h_post, 1, markov, conf, kernel="torch", temperature=-1.0)
+
+
+def test_cached_biases_give_bit_identical_chains_and_stay_bounded():
+    markov, conf = make_heads()
+    cached, _ = make_heads()
+    cached.cache_biases(capacity=3)
+    d2t = make_d2t()
+    for seed in range(6):  # chains that share previous tokens hit the cache; more than 3 distinct ones evict
+        base, pre, post = make_inputs(seed)
+        anchor = seed % 2  # two anchors: slot 0 hits from the third chain on
+        plain = draft_chain(base, pre, post, anchor, markov, conf, d2t, kernel="torch")
+        fast = draft_chain(base, pre, post, anchor, cached, conf, d2t, kernel="torch")
+        assert fast.tokens == plain.tokens
+        assert torch.equal(fast.logprobs, plain.logprobs) and torch.equal(fast.confidences, plain.confidences)
+        assert len(cached._biases) <= 3
+    for prev, row in cached._biases.items():  # every kept row is W2 · W1[prev] itself
+        assert torch.equal(row, markov.w2.weight @ markov.w1.weight[prev])
+
+
+def test_bias_cache_refuses_heads_whose_bias_is_not_a_function_of_the_token():
+    gated, _ = make_heads("gated")
+    with pytest.raises(ValueError, match="vanilla"):
+        gated.cache_biases(8)
+    trainable = MarkovHead("vanilla", V_T, V_D, R, H)
+    with pytest.raises(ValueError, match="frozen"):
+        trainable.cache_biases(8)
