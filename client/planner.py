@@ -21,8 +21,10 @@ An arm whose drafting costs under `cheap` of an AR step (prompt lookup) is kept 
 
 A chain that carries confidences c_1..c_k (the DSpark confidence head) is cut to the depth m that maximizes
 L * (1 + sum_{d<=m} s_d) / T(L, 1 + m) with s_d = min(1, g * prod_{j<=d} c_j), g an online
-calibration (accepted / predicted). Whether x_d is verified depends only on c_1..c_d, hence on x_<d: a prefix
-of a draft is verified exactly as a whole draft is, so the output does not change.
+calibration: the ratio of the EMAs of accepted tokens and of sum_d prod_{j<=d} c_j over the kept depths (a ratio of
+means; an EMA of per-step ratios drifts to zero, since most steps accept nothing). Whether x_d is verified depends
+only on c_1..c_d, hence on x_<d: a prefix of a draft is verified exactly as a whole draft is, so the output does not
+change.
 
 Estimates start from a `PlannerMemory` shared by the requests of one client or server, so a drafter that never
 wins (e.g. random weights) is recognised by the next request at once.
@@ -82,6 +84,7 @@ class PlannerMemory:
 
     arms: dict[int, ArmStats] = field(default_factory=dict)
     calibration: float = 1.0
+    calibration_sums: tuple[float, float] = (1.0, 1.0)
     speed: float = 1.0
     shape_speed: dict[int, tuple[float, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -92,12 +95,14 @@ class PlannerMemory:
             planner.stats.update({k: ArmStats(**{f: getattr(v, f) for f in ArmStats.__dataclass_fields__})
                                   for k, v in self.arms.items() if k in planner.stats})
             planner.calibration, planner.speed = self.calibration, self.speed
+            planner.calibration_sums = self.calibration_sums
             planner.shape_speed = dict(self.shape_speed)
 
     def store(self, planner: StepPlanner) -> None:
         with self.lock:
             self.arms = {k: v for k, v in planner.stats.items() if v.steps}
             self.calibration, self.speed = planner.calibration, planner.speed
+            self.calibration_sums = planner.calibration_sums
             self.shape_speed = dict(planner.shape_speed)
 
 
@@ -119,6 +124,7 @@ class StepPlanner:
         self.speed = 1.0  # measured / predicted forward seconds (EMA over all shapes)
         self.shape_speed: dict[int, tuple[float, int]] = {}  # rows bucket -> (that ratio's EMA, forwards seen)
         self.calibration = 1.0
+        self.calibration_sums = (1.0, 1.0)  # EMAs of (accepted, predicted) draft tokens; starts trusting c_k
         if memory is not None:
             memory.load(self)
         self.current: int | None = None
@@ -226,10 +232,12 @@ class StepPlanner:
             value, seen = self.shape_speed.get(bucket, (ratio, 0))
             value += max(1.0 / (seen + 1), a) * (ratio - value)  # a plain mean at first, then an EMA
             self.shape_speed[bucket] = (value, seen + 1)
-        if predicted_accepted is not None and predicted_accepted > 0:
-            ratio = min(max(accepted / predicted_accepted, 0.0), 2.0)
-            self.calibration += a * (ratio * self.calibration - self.calibration)
-            self.calibration = min(max(self.calibration, 0.02), 2.0)
+        if predicted_accepted is not None:
+            acc, pred = self.calibration_sums
+            acc += a * (accepted - acc)
+            pred += a * (predicted_accepted - pred)
+            self.calibration_sums = (acc, pred)
+            self.calibration = min(max(acc / pred, 0.02), 2.0) if pred > 0 else self.calibration
         relative = 1.0
         if self.costs is not None:
             lanes = batch_sessions or self.lanes

@@ -161,3 +161,36 @@ def test_a_table_wrong_only_for_wide_verifies_is_corrected_per_shape():
     # a single scale factor for every shape could not tell: it scales AR and the 8-row verify alike
     planner.finish()
     assert StepPlanner([DSPARK], table, memory).speed_for(8) == pytest.approx(2.0)  # remembered
+
+
+@pytest.mark.parametrize("truth", [1.0, 0.5])
+def test_calibration_recovers_how_often_confident_drafts_are_right(truth):
+    # A one-token draft with confidence c is accepted with probability truth * c (Bernoulli, seeded). Most steps
+    # accept nothing, so an average of per-step accepted/predicted ratios would drift towards zero; the planner's
+    # calibration must find `truth`.
+    import random
+
+    rng = random.Random(0)
+    planner = StepPlanner([DSPARK], VerifyCosts(TABLES), alpha=0.02)
+    values = []
+    for step in range(4000):
+        c = rng.choice([0.2, 0.35, 0.5])
+        accepted = int(rng.random() < truth * c)
+        planner.observe(DSPARK, 2, accepted, 0.001, 0.05, 0.05, 1, 2, predicted_accepted=c)
+        if step >= 1000:
+            values.append(planner.calibration)
+    mean = sum(values) / len(values)
+    assert abs(mean - truth) < 0.12 * truth, mean
+
+
+def test_adaptive_arms_take_prompt_lookup_beside_dspark_but_not_beside_hybrid():
+    from dspark_grpc.client.generation import SpeculationConfig
+
+    def arms(default: int, asked: int = draft_pb2.PROPOSER_UNSPECIFIED) -> list[int]:
+        info = draft_pb2.GetDrafterInfoResponse(default_proposer=default, proposers=[
+            draft_pb2.PROPOSER_DSPARK, draft_pb2.PROPOSER_NGRAM, draft_pb2.PROPOSER_HYBRID])
+        return SpeculationConfig(drafter=None, info=info, proposer=asked).planner_arms()
+
+    assert arms(draft_pb2.PROPOSER_DSPARK) == [DSPARK, NGRAM]
+    assert arms(draft_pb2.PROPOSER_HYBRID) == [draft_pb2.PROPOSER_HYBRID]  # hybrid already follows n-gram matches
+    assert arms(draft_pb2.PROPOSER_HYBRID, asked=NGRAM) == [NGRAM]
