@@ -34,7 +34,7 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
         self._biases: OrderedDict[int, Tensor] | None = None  # see cache_biases
         self._biases_capacity = 0
-        self._biases_lock = threading.Lock()
+        self._biases_lock: threading.Lock | None = None  # created with the cache: a plain head stays copyable
 
     @property
     def target_vocab(self) -> int:
@@ -81,7 +81,7 @@ class MarkovHead(nn.Module):
             raise ValueError("only a frozen vanilla Markov head can cache its biases")
         if capacity <= 0:
             raise ValueError(f"bias cache capacity must be positive, got {capacity}")
-        self._biases, self._biases_capacity = OrderedDict(), capacity
+        self._biases, self._biases_capacity, self._biases_lock = OrderedDict(), capacity, threading.Lock()
         return self
 
     def project(self, v: Tensor, prev_token: int) -> Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain
@@ -234,3 +236,4 @@ def test_bias_cache_refuses_heads_whose_bias_is_not_a_function_of_the_token():
     trainable = MarkovHead("vanilla", V_T, V_D, R, H)
     with pytest.raises(ValueError, match="frozen"):
         trainable.cache_biases(8)
+    copy.deepcopy(trainable)  # a head without the cache holds no lock: training code can still copy it
