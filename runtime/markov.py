@@ -75,8 +75,8 @@ class MarkovHead(nn.Module):
         """Serving: keep W2 · W1[prev] of the last `capacity` previous tokens (fp32 rows of draft_vocab).
 
         A vanilla head's bias depends on the previous token only, and a chain step's matrix-vector product reads
-        all of W2 (2 MB at 8192 x 64): on a CPU it cost about as much as the rest of the proposal. Frozen vanilla
-        heads only; the cached rows are the products themselves, so chains are bit-identical."""
+        all of W2 (2 MB at 8192 x 64): measured on one CPU thread, a 4-slot chain's post-processing 0.43 -> 0.20 ms.
+        Frozen vanilla heads only; the cached rows are the products themselves, so chains are bit-identical."""
         if self.kind != "vanilla" or self.w2.weight.requires_grad:
             raise ValueError("only a frozen vanilla Markov head can cache its biases")
         if capacity <= 0:
