@@ -223,7 +223,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
     """Prefill, then one target forward per step (verifying the drafter's proposal when speculating);
     yields what each step adds. Releases its sessions on every exit."""
     if config.max_new_tokens <= 0:
-        raise RequestError(3, f"max_new_tokens must be positive, got {config.max_new_tokens}")
+        raise RequestError(3, f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
     ids = iter(range(1, 1 << 62))
 
     def call(**op: object) -> target_pb2.TargetSessionResponse:

@@ -159,15 +159,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             engine = self.ready_engine()
             sampling_from_proto(request.sampling)  # validate before any work
             prompt_from_proto(request.prompt)
-            if request.max_new_tokens < 0:
-                raise InvalidArgument(f"max_new_tokens must be >= 0 (0 = {DEFAULT_MAX_NEW_TOKENS}), "
+            if request.HasField("max_new_tokens") and request.max_new_tokens < 1:
+                raise InvalidArgument(f"max_new_tokens must be >= 1 (leave it unset for {DEFAULT_MAX_NEW_TOKENS}), "
                                       f"got {request.max_new_tokens}")
             if request.mode == common_pb2.DECODE_MODE_SPECULATION and self.drafter_address is None:
                 raise FailedPrecondition("mode SPECULATION needs a drafter; start the target with --drafter ADDRESS "
                                          "or ask for mode AR")
         except ServiceError as e:
             await context.abort(grpc.StatusCode[e.code_name], e.message)
-        config = GenerationConfig(max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+        config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
         stats = common_pb2.GenerationStats()
         owner = object()
