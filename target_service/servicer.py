@@ -91,7 +91,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             protocol_version=PROTOCOL_VERSION, eos_token_ids=sorted(engine.tokenizer.eos_token_ids),
             max_sessions=engine.limits.max_sessions, max_tree_nodes=engine.limits.max_tree_nodes,
             max_message_bytes=self.max_message_bytes, speculation_available=self.drafter_address is not None,
-            default_mode=self.default_mode, verify_costs=[t.to_proto() for t in engine.cost_tables])
+            default_mode=self.default_mode, verify_costs=[t.to_proto() for t in engine.cost_tables],
+            live_sessions=len(engine.sessions))
 
     # -- session stream -----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context_length", "compute_dtype", "device", "fingerprint", "protocol_version", "eos_token_ids", "max_sessions", "max_tree_nodes", "max_message_bytes", "speculation_available", "default_mode", "verify_costs")
+    __slots__ = ("model_name", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context_length", "compute_dtype", "device", "fingerprint", "protocol_version", "eos_token_ids", "max_sessions", "max_tree_nodes", "max_message_bytes", "speculation_available", "default_mode", "verify_costs", "live_sessions")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GetModelInfoResponse(_message.Message):
     SPECULATION_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     num_layers: int
@@ -58,7 +59,8 @@ class GetModelInfoResponse(_message.Message):
     speculation_available: bool
     default_mode: _common_pb2.DecodeMode
     verify_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.CostTable]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.CostTable, _Mapping]]] = ...) -> None: ...
+    live_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.CostTable, _Mapping]]] = ..., live_sessions: _Optional[int] = ...) -> None: ...
 
 class TargetSessionRequest(_message.Message):
     __slots__ = ("request_id", "open", "prefill", "verify", "commit", "rollback", "release")
