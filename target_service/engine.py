@@ -29,6 +29,8 @@ from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
 from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
 
+from dspark_grpc.cli_common import CHAT_ROLES
+
 PROTOCOL_VERSION = 1
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -310,9 +312,10 @@ def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int) -> 
             raise InvalidArgument("the prompt is empty")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif prompt and isinstance(prompt[0], dict):
-        for m in prompt:
-            if not m.get("role"):
-                raise InvalidArgument("every chat message needs a role (system, user or assistant)")
+        for i, m in enumerate(prompt):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidArgument(f"chat message {i} has role {m.get('role')!r}; roles are "
+                                      f"{', '.join(CHAT_ROLES)}")
         try:
             text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
         except ValueError as e:
