@@ -102,7 +102,7 @@ class SpeculationConfig:
     kernel: int = draft_pb2.KERNEL_CHOICE_UNSPECIFIED
     proposer: int = draft_pb2.PROPOSER_UNSPECIFIED  # the drafter's default
     adaptive: bool = False  # plan each step (client.planner.StepPlanner)
-    timeout_s: float = 10.0  # per drafter call; slower means the drafter is treated as failed
+    timeout_s: float | None = 10.0  # per drafter call; slower means the drafter is treated as failed (None: no bound)
     verify_costs: Sequence[common_pb2.CostTable] = ()  # the target's start-up cost tables, for the planner
     memory: PlannerMemory | None = None  # planner estimates shared across requests
 

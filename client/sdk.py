@@ -42,7 +42,8 @@ class SessionStream:
     """A session stream (TargetSession or DraftSession) driven one request/response at a time.
 
     Closing it ends the stream, which frees its sessions on the server. A reader thread keeps replies, so a
-    call can wait with a timeout (a drafter that stops answering is treated as failed, not waited for).
+    call can wait with a timeout (a drafter that stops answering is treated as failed, not waited for). Once the
+    stream has ended (an error, the deadline, `close`), every later call fails at once with the same status.
     """
 
     def __init__(self, open_stream: Callable, timeout: float | None) -> None:
@@ -58,6 +59,8 @@ class SessionStream:
             self._replies.put(RequestError(14, "the server closed the stream"))
         except grpc.RpcError as e:
             self._replies.put(RequestError(e.code().value[0], e.details() or e.code().name))
+        except Exception as e:  # noqa: BLE001 - e.g. a reply grpc could not deserialize: still an end, not a hang
+            self._replies.put(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
 
     def call(self, request, timeout: float | None = None):
         self.send(request)
@@ -75,12 +78,14 @@ class SessionStream:
             self.close()
             raise RequestError(4, f"no reply within {timeout:g} s") from None
         if isinstance(reply, RequestError):
+            self._replies.put(reply)  # the stream is over: later calls (a cleanup's release) must not wait
             raise reply
         return reply
 
     def close(self) -> None:
         self._requests.put(None)
         self._responses.cancel()
+        self._replies.put(RequestError(1, "the stream was closed"))
 
 
 MODES = ("ar", "speculation", "adaptive")
@@ -91,9 +96,15 @@ PROPOSERS = {"default": draft_pb2.PROPOSER_UNSPECIFIED, "dspark": draft_pb2.PROP
              "ngram": draft_pb2.PROPOSER_NGRAM, "hybrid": draft_pb2.PROPOSER_HYBRID}
 
 
+# gRPC's reconnect backoff grows to 2 minutes while a service is down: a restarted service would be found only
+# after tens of seconds. Retry at least once a second instead.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def make_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class TargetClient:
@@ -102,18 +113,19 @@ class TargetClient:
     mode: "ar" (target only), "speculation" (draft every step), "adaptive" (the default: draft while it pays,
     measured online per request; target-only without a drafter). Any drafter failure finishes the request
     target-only with the same tokens and the reason in `stats.fallback_reason`. `timeout` is the deadline of each
-    request, in seconds.
+    request, in seconds (None: none); `draft_timeout` bounds each drafter call (0 or None: only the deadline does).
+    A request always ends by its deadline (plus a round trip), with the gRPC status as a RequestError's code.
     """
 
     def __init__(self, address: str = DEFAULT_TARGET, *, drafter: str | None = None, mode: str = "adaptive",
                  proposal: str = "chain", budget: int = 0, kernel: str = "auto", proposer: str = "default",
-                 timeout: float | None = 600.0, draft_timeout: float = 10.0) -> None:
+                 timeout: float | None = 600.0, draft_timeout: float | None = 10.0) -> None:
         self.address = address
         self.drafter_address = drafter
         self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         _check_options(**self.defaults)
         self.timeout = timeout
-        self.draft_timeout = draft_timeout
+        self.draft_timeout = draft_timeout or None
         self._channel = make_channel(address)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         self._draft_channel = make_channel(drafter) if drafter else None
@@ -175,8 +187,9 @@ class TargetClient:
                     raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
                 stats.fallback_reason = "no drafter configured"
             else:
+                draft_timeout = min((t for t in (self.draft_timeout, self.timeout) if t), default=None)
                 speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
-                                               KERNELS[options["kernel"]], self.timeout, self.draft_timeout, stats,
+                                               KERNELS[options["kernel"]], self.timeout, draft_timeout, stats,
                                                PROPOSERS[options["proposer"]],
                                                adaptive=options["mode"] == "adaptive",
                                                verify_costs=self.model_info().verify_costs,
@@ -203,7 +216,7 @@ class TargetClient:
 
 
 def open_speculation(draft_stub: draft_pb2_grpc.DraftServiceStub, kind: int, budget: int, kernel: int,
-                     stream_timeout: float | None, draft_timeout: float, stats: common_pb2.GenerationStats,
+                     stream_timeout: float | None, draft_timeout: float | None, stats: common_pb2.GenerationStats,
                      proposer: int = draft_pb2.PROPOSER_UNSPECIFIED, adaptive: bool = False,
                      verify_costs: Sequence[common_pb2.CostTable] = (), memory: PlannerMemory | None = None
                      ) -> SpeculationConfig | None:
