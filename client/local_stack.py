@@ -1,53 +1,118 @@
-"""Start the services as child processes on free loopback ports (the demo, bench and tests use this)."""
+"""Start the services as child processes on free loopback ports (the demo, bench and tests use this).
+
+A launcher owns its children: they are stopped when the `with` block ends (also on SIGTERM/SIGINT of the launcher,
+see `stop_on_signals`), and they die with the launcher even if it is killed (Linux: PR_SET_PDEATHSIG). A child
+that exits before it serves fails the launch at once, with the last lines it printed.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
+_SERVING = re.compile(r"\bSERVING on ")
+_PR_SET_PDEATHSIG = 1
+
+
+class ServiceExited(RuntimeError):
+    """A started service exited (or never listened): its name, exit code and last output lines."""
+
+    def __init__(self, name: str, returncode: int | None, last_lines: list[str], what: str = "exited") -> None:
+        tail = " | ".join(line.strip() for line in last_lines if line.strip())[-600:]
+        super().__init__(f"the {name} service {what}"
+                         + (f" with code {returncode}" if returncode is not None else "")
+                         + (f": {tail}" if tail else ""))
+        self.name, self.returncode, self.last_lines = name, returncode, last_lines
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _own_children() -> bool:
+    # PR_SET_PDEATHSIG fires when the thread that forked the child ends: only the main thread lives as long as the
+    # launcher does
+    return sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
 
 
 @contextlib.contextmanager
 def local_service(module: str, args: list[str], *, name: str, echo: bool = True, start_timeout: float = 120.0,
                   env: dict[str, str] | None = None, port: int = 0,
-                  process: list[subprocess.Popen] | None = None) -> Iterator[str]:
-    """Run `python -m module serve --port PORT ARGS` (0 = a free port); yield its address once it listens; stop it
-    on exit. `process`, if given, receives the child process (tests kill it)."""
+                  process: list[subprocess.Popen] | None = None, wait_serving: bool = False,
+                  serving_timeout: float = 600.0) -> Iterator[str]:
+    """Run `python -m module serve --port PORT ARGS` (0 = a free port); yield its address once it listens (or, with
+    `wait_serving`, once it reports SERVING); stop it on exit. A child that exits first raises `ServiceExited`.
+    `process`, if given, receives the child process (tests kill it)."""
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_die_with_parent if _own_children() else None)
     if process is not None:
         process.append(proc)
-    found = threading.Event()
+    listening, serving = threading.Event(), threading.Event()
     address: list[str] = []
+    last = collections.deque(maxlen=8)
 
     def pump() -> None:
         for line in proc.stdout:
-            if not found.is_set() and (m := _LISTENING.search(line)):
+            last.append(line)
+            if not listening.is_set() and (m := _LISTENING.search(line)):
                 address.append(m.group(1))
-                found.set()
+                listening.set()
+            if _SERVING.search(line):
+                serving.set()
             if echo:
                 sys.stderr.write(f"  [{name}] {line}")
-        found.set()
+        listening.set()
+        serving.set()
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        if not found.wait(start_timeout) or not address:
-            raise RuntimeError(f"{name} did not start: `{' '.join(cmd)}` exited with {proc.poll()}")
+        _wait(listening, proc, start_timeout, name, last, "did not start listening")
+        if not address:
+            raise ServiceExited(name, proc.wait(), list(last))
+        if wait_serving:
+            _wait(serving, proc, serving_timeout, name, last, "did not report SERVING")
         yield address[0]
     finally:
+        _stop(proc)
+
+
+def _wait(event: threading.Event, proc: subprocess.Popen, timeout: float, name: str, last: collections.deque,
+          what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not event.wait(0.2):
+        if proc.poll() is not None:
+            break
+        if time.monotonic() > deadline:
+            raise ServiceExited(name, None, list(last), what=f"{what} within {timeout:g} s")
+    if proc.poll() is not None:
+        time.sleep(0.1)  # let the pump read the last lines
+        raise ServiceExited(name, proc.returncode, list(last))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def local_target(args: list[str] = (), **kwargs) -> contextlib.AbstractContextManager[str]:
@@ -56,3 +121,18 @@ def local_target(args: list[str] = (), **kwargs) -> contextlib.AbstractContextMa
 
 def local_drafter(args: list[str] = (), **kwargs) -> contextlib.AbstractContextManager[str]:
     return local_service("dspark_grpc.draft_service.cli", list(args), name="draft", **kwargs)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While inside: SIGTERM (and SIGHUP) raise KeyboardInterrupt in the main thread like Ctrl-C does, so every
+    `with local_service(...)` block unwinds and stops its child."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

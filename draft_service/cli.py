@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
@@ -15,11 +16,13 @@ from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.serving import add_serve_arguments, serve
 
+from dspark_grpc.cli_common import OneLineParser
+
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-draft", description="DSpark draft service (gRPC)")
+    p = OneLineParser(prog="dspark-draft", description="DSpark draft service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="load a DSpark drafter and serve dspark.v1.DraftService",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -53,7 +56,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    # a path that is not there fails now, not after the target checkpoint has been loaded
+    if args.drafter not in (None, "embedded", "random", "none") and not Path(args.drafter).exists():
+        p.error(f"--drafter {args.drafter}: no such file or directory (a DSpark/DFlash HF directory or GGUF; or "
+                "embedded, random, none)")
+    if args.target_model is not None and not Path(args.target_model).exists():
+        p.error(f"--target-model {args.target_model}: no such file or directory")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -6,13 +6,16 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.errors import ServiceError
+from dspark_grpc.runtime.errors import InvalidArgument, ServiceError
+from dspark_grpc.runtime.security import Guard, ServerSecurity, is_loopback
+from dspark_grpc.runtime.sessions import Owner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -41,10 +44,33 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_t
     p.add_argument("--no-cost-profile", action="store_true",
                    help="skip profiling costs at start-up (no tables published; the adaptive planner then measures "
                         "online)")
+    p.add_argument("--max-sessions-per-principal", type=int, default=0,
+                   help="live sessions one principal (bearer token, else client certificate, else client IP) may "
+                        "hold; 0 = --max-sessions")
+    sec = p.add_argument_group("security (default: plaintext, no authentication)")
+    sec.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain: serve TLS")
+    sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                     help="require client certificates signed by this CA (mutual TLS)")
+    sec.add_argument("--auth-token-file", default=None, metavar="FILE",
+                     help="bearer tokens, one per line ('#' comments): every RPC except health must send "
+                          "'authorization: Bearer TOKEN'")
 
 
 def status_code(code: int) -> grpc.StatusCode:
     return next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
+
+
+def check_enum(enum, value: int, what: str) -> None:
+    """`enum` is a protobuf enum type (e.g. common_pb2.DecodeMode): unknown numbers are INVALID_ARGUMENT."""
+    if value not in enum.values():
+        raise InvalidArgument(f"{what}: unknown value {value}; use one of {', '.join(enum.keys())}")
+
+
+def log_refusal(what: str, e: ServiceError) -> None:
+    """A refused request is one log line (a bad request is the client's problem, not a traceback)."""
+    message = e.message if len(e.message) <= 300 else e.message[:300] + "..."
+    log.info("%s refused: %s: %s", what, e.code_name, message)
 
 
 def run_session_op(dispatch: Callable[[object, object], dict], request, owner: object, response_type: type):
@@ -52,6 +78,7 @@ def run_session_op(dispatch: Callable[[object, object], dict], request, owner: o
     try:
         return response_type(request_id=request.request_id, **dispatch(request, owner))
     except ServiceError as e:
+        log_refusal(f"session op {request.WhichOneof('op')}", e)
         status = common_pb2.Status(code=e.code, message=e.message)
     except Exception as e:  # a bug must not take the stream or the server down
         log.exception("session operation failed")
@@ -59,10 +86,12 @@ def run_session_op(dispatch: Callable[[object, object], dict], request, owner: o
     return response_type(request_id=request.request_id, status=status)
 
 
-async def session_stream(request_iterator, handle: Callable, executor, release_owner: Callable[[object], object]):
+async def session_stream(request_iterator, handle: Callable, executor, release_owner: Callable[[object], object],
+                         principal: str = ""):
     """The body of a session stream RPC: each request is handled off the event loop, in order, by
-    `handle(request, owner)`; when the stream ends (done, cancelled, deadline) its sessions are released."""
-    owner = object()
+    `handle(request, owner)`; when the stream ends (done, cancelled, deadline) its sessions are released. The
+    stream owns the sessions it opens (another stream gets NOT_FOUND); `principal` counts towards its limit."""
+    owner = Owner(principal)
     loop = asyncio.get_running_loop()
     try:
         async for request in request_iterator:
@@ -82,12 +111,14 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None], load: Callable[[], None],
-                host: str, port: int, max_message_bytes: int, grace_s: float, log_prefix: str) -> None:
+                host: str, port: int, max_message_bytes: int, grace_s: float, log_prefix: str,
+                security: ServerSecurity | None = None) -> None:
     """Start listening at once (health NOT_SERVING), load the model off the event loop, then report SERVING.
 
     SIGTERM/SIGINT: health goes NOT_SERVING, new RPCs are refused, running ones get `grace_s` to finish.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    security = security or ServerSecurity()
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[Guard(security.tokens)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     register(server)
@@ -95,9 +126,20 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if not security.protected and not is_loopback(host):
+        print(f"{log_prefix} WARNING: listening on {host} without TLS or a token: anyone who can reach the port can "
+              "use the service (see --tls-cert/--tls-key, --tls-client-ca, --auth-token-file)", file=sys.stderr,
+              flush=True)
+    credentials = security.credentials()
+    address = f"{host}:{port}"
+    try:  # checked first so that a busy port is one line of ours, not also a line of gRPC's core logger
+        bound = _can_bind(host, port) and (server.add_secure_port(address, credentials) if credentials
+                                           else server.add_insecure_port(address))
+    except RuntimeError:  # grpc raises when the address cannot be bound
+        bound = 0
     if bound == 0:
-        raise SystemExit(f"{log_prefix} cannot listen on {host}:{port}")
+        raise SystemExit(f"{log_prefix} error: cannot listen on {host}:{port}: the port is in use or the address is "
+                         "not this machine's (another service running? choose --port, or --port 0 for a free one)")
     await server.start()
     print(f"{log_prefix} listening on {host}:{bound} (NOT_SERVING until the model is loaded)", flush=True)
 
@@ -136,3 +178,21 @@ def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> a
 
     threading.Thread(target=body, name="load", daemon=True).start()
     return future
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """Whether a listener could bind host:port now (port 0 always can)."""
+    if port == 0:
+        return True
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT does not block
+            try:
+                s.bind(sockaddr)
+            except OSError:
+                return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
@@ -13,11 +14,13 @@ from dspark_grpc.runtime.serving import add_serve_arguments, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
+from dspark_grpc.cli_common import OneLineParser
+
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-target", description="DSpark target verifier service (gRPC)")
+    p = OneLineParser(prog="dspark-target", description="DSpark target verifier service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="load the target model and serve dspark.v1.TargetService",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -43,7 +46,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.model is not None and not Path(args.model).exists():
+        p.error(f"--model {args.model}: no such file or directory (a .gguf file or an HF directory)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
