@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from dspark_grpc.client.generation import GenerationConfig, RequestError, SpeculationConfig, generate_deltas
@@ -103,8 +104,68 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-def make_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """One link's security: TLS when `root_ca` (PEM of the CA that signed the server's certificate) or a client
+    certificate is given; mutual TLS with `cert_chain` + `private_key`; a bearer token sent with every call (over TLS
+    or, on loopback, plaintext). `server_name` overrides the name the server's certificate must carry."""
+
+    root_ca: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = None
+    token: str | None = None
+    server_name: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.root_ca is not None or self.cert_chain is not None
+
+    @classmethod
+    def from_files(cls, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                   token_file: str | None = None, server_name: str | None = None) -> ChannelSecurity:
+        """Reads the PEM files and the token file (its first token: one per line, '#' comments)."""
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("give the client certificate and its key together (--tls-cert and --tls-key)")
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        token = None
+        if token_file:
+            lines = [line.split("#", 1)[0].strip() for line in Path(token_file).read_text().splitlines()]
+            token = next((t for t in lines if t), None)
+            if token is None:
+                raise ValueError(f"{token_file} holds no token")
+        return cls(read(tls_ca), read(tls_cert), read(tls_key), token, server_name)
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _add(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.header])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._add(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+def make_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
+    if security is None or not security.tls:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", security.server_name)]
+                                     if security.server_name else [])
+        credentials = grpc.ssl_channel_credentials(security.root_ca, security.private_key, security.cert_chain)
+        channel = grpc.secure_channel(address, credentials, options=options)
+    if security is not None and security.token:
+        channel = grpc.intercept_channel(channel, _BearerToken(security.token))
+    return channel
 
 
 class TargetClient:
@@ -115,20 +176,23 @@ class TargetClient:
     target-only with the same tokens and the reason in `stats.fallback_reason`. `timeout` is the deadline of each
     request, in seconds (None: none); `draft_timeout` bounds each drafter call (0 or None: only the deadline does).
     A request always ends by its deadline (plus a round trip), with the gRPC status as a RequestError's code.
+    `security` (TLS, client certificate, bearer token) applies to the target link and, unless `draft_security` is
+    given, to the drafter link too.
     """
 
     def __init__(self, address: str = DEFAULT_TARGET, *, drafter: str | None = None, mode: str = "adaptive",
                  proposal: str = "chain", budget: int = 0, kernel: str = "auto", proposer: str = "default",
-                 timeout: float | None = 600.0, draft_timeout: float | None = 10.0) -> None:
+                 timeout: float | None = 600.0, draft_timeout: float | None = 10.0,
+                 security: ChannelSecurity | None = None, draft_security: ChannelSecurity | None = None) -> None:
         self.address = address
         self.drafter_address = drafter
         self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         _check_options(**self.defaults)
         self.timeout = timeout
         self.draft_timeout = draft_timeout or None
-        self._channel = make_channel(address)
+        self._channel = make_channel(address, security)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
-        self._draft_channel = make_channel(drafter) if drafter else None
+        self._draft_channel = make_channel(drafter, draft_security or security) if drafter else None
         self._draft_stub = draft_pb2_grpc.DraftServiceStub(self._draft_channel) if drafter else None
         self._info: target_pb2.GetModelInfoResponse | None = None
         self.planner_memory = PlannerMemory()  # what the adaptive planner learned, carried across requests

@@ -35,7 +35,7 @@ from dspark_grpc.runtime.cost_profile import draft_key, time_sizes
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from dspark_grpc.runtime.linear import matmul_kind
 from dspark_grpc.runtime.markov import draft_chain
 from dspark_grpc.runtime.markov_triton import triton_runnable
@@ -74,6 +74,8 @@ class DraftLimits:
     ngram_chain: int = 8  # default n-gram chain length
     hybrid_min_match: int = 2  # a hybrid chain follows the n-gram continuation from this match length on
     sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
+    max_sessions_per_principal: int = 0  # 0 = max_sessions
+    max_context: int = 1 << 16  # rows a session without a DSpark drafter may hold (with one: its max length)
 
 
 @dataclass
@@ -120,7 +122,8 @@ class DraftEngine:
         if self.default_proposer not in self.proposers:
             raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
                              f"available: {self.proposers}")
-        self.sessions: SessionStore[DraftSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
+        self.sessions: SessionStore[DraftSession] = SessionStore(
+            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
         self.metrics: DraftServiceMetrics | None = None
         self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
         self._passes: StepBatcher[tuple[DraftContext, int], BlockOutput] | None = None
@@ -209,6 +212,10 @@ class DraftEngine:
         if start > s.length:
             raise FailedPrecondition(f"gap: the context holds rows [0, {s.length}) and these rows start at {start}; "
                                      f"send rows from {s.length} on")
+        limit = s.context.cache.max_length if s.context is not None else self.limits.max_context
+        if start + n > limit:
+            raise ResourceExhausted(f"rows [{start}, {start + n}) do not fit: a drafter session holds at most "
+                                    f"{limit} rows; truncate the context or open a new session")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(f"token ids {bad[:5]} out of range [0, {self.vocab_size})")

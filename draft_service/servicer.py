@@ -9,8 +9,9 @@ import torch
 from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.errors import InvalidArgument, ServiceError, Unavailable
-from dspark_grpc.runtime.sampling import make_generator
-from dspark_grpc.runtime.serving import run_session_op, session_stream
+from dspark_grpc.runtime.sampling import check_temperature, make_generator
+from dspark_grpc.runtime.security import principal_of
+from dspark_grpc.runtime.serving import check_enum, run_session_op, session_stream
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 
 _KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
@@ -55,7 +56,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return info
 
     async def DraftSession(self, request_iterator, context):
-        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner):
+        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner,
+                                             principal_of(context)):
             yield response
 
     def _release_owner(self, owner: object) -> None:
@@ -68,6 +70,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _dispatch(self, request: draft_pb2.DraftSessionRequest, owner: object) -> dict:
         engine = self.ready_engine()
         op = request.WhichOneof("op")
+        if op not in (None, "open"):  # a session belongs to the stream that opened it
+            engine.sessions.get(getattr(request, op).session_id, owner)
         if op == "open":
             m = request.open
             target = (m.target.model, m.target.tokenizer) if m.HasField("target") else None
@@ -87,15 +91,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             return dict(appended=draft_pb2.ContextAppended(length=length))
         if op == "propose":
             m = request.propose
-            if m.kind not in (draft_pb2.PROPOSAL_KIND_UNSPECIFIED, draft_pb2.PROPOSAL_KIND_CHAIN,
-                              draft_pb2.PROPOSAL_KIND_TREE):
-                raise InvalidArgument(f"unknown proposal kind {m.kind}")
-            if m.proposer not in _PROPOSER_NAMES:
-                raise InvalidArgument(f"unknown proposer {m.proposer}")
+            check_enum(draft_pb2.ProposalKind, m.kind, "propose.kind")
+            check_enum(draft_pb2.Proposer, m.proposer, "propose.proposer")
+            check_enum(draft_pb2.KernelChoice, m.kernel, "propose.kernel")
             if m.budget < 0:
                 raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {m.budget}")
-            if m.sampling.temperature < 0:
-                raise InvalidArgument(f"sampling.temperature must be >= 0, got {m.sampling.temperature}")
+            try:
+                check_temperature(m.sampling.temperature)
+            except ValueError as e:
+                raise InvalidArgument(f"sampling: {e}") from e
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,

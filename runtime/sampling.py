@@ -8,6 +8,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Below this a temperature scales float32 logits towards overflow (NaN probabilities); greedy is temperature 0.
+MIN_TEMPERATURE = 1e-4
+
+
+def check_temperature(temperature: float) -> None:
+    """ValueError unless 0 (greedy) or a finite value >= MIN_TEMPERATURE."""
+    if not (math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}, got {temperature}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,8 +26,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {self.temperature}")
+        check_temperature(self.temperature)
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

@@ -1,4 +1,5 @@
-"""The one session store of a service: live sessions by id, a cap on their number and an idle TTL."""
+"""The one session store of a service: live sessions by id, a cap on their number (in all and per principal) and
+an idle TTL. A session belongs to its owner (the stream that opened it): to anyone else it does not exist."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from dspark_grpc.runtime.errors import NotFound, ResourceExhausted
 S = TypeVar("S")
 
 
+@dataclass(frozen=True, eq=False)
+class Owner:
+    """One stream (compared by identity) of one principal (who is calling: a token, a certificate, an address)."""
+
+    principal: str = ""
+
+
 @dataclass
 class _Entry(Generic[S]):
     state: S
@@ -21,12 +29,20 @@ class _Entry(Generic[S]):
     last_used: float = field(default_factory=time.monotonic)
 
 
-class SessionStore(Generic[S]):
-    """Thread-safe. `owner` ties sessions to the stream that opened them, so ending a stream frees them."""
+def _principal(owner: Hashable) -> str | None:
+    return owner.principal if isinstance(owner, Owner) else None
 
-    def __init__(self, max_sessions: int, idle_ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        assert max_sessions > 0 and idle_ttl_s > 0
+
+class SessionStore(Generic[S]):
+    """Thread-safe. `owner` ties sessions to the stream that opened them, so ending a stream frees them.
+
+    max_per_principal (0 = max_sessions): live sessions the owners of one principal may hold together."""
+
+    def __init__(self, max_sessions: int, idle_ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_per_principal: int = 0):
+        assert max_sessions > 0 and idle_ttl_s > 0 and max_per_principal >= 0
         self.max_sessions = max_sessions
+        self.max_per_principal = max_per_principal or max_sessions
         self.idle_ttl_s = idle_ttl_s
         self._clock = clock
         self._entries: dict[str, _Entry[S]] = {}
@@ -42,17 +58,25 @@ class SessionStore(Generic[S]):
                 raise ResourceExhausted(
                     f"too many live sessions ({self.max_sessions}); release finished sessions or raise "
                     "--max-sessions")
+            principal = _principal(owner)
+            if principal is not None and self.max_per_principal < self.max_sessions:
+                held = sum(_principal(e.owner) == principal for e in self._entries.values())
+                if held >= self.max_per_principal:
+                    raise ResourceExhausted(
+                        f"this client already holds {held} live sessions, the most one principal may hold "
+                        f"(--max-sessions-per-principal {self.max_per_principal}); release finished sessions")
             session_id = uuid.uuid4().hex
             self._entries[session_id] = _Entry(state, owner, self._clock())
             return session_id
 
-    def get(self, session_id: str) -> S:
+    def get(self, session_id: str, owner: Hashable = None) -> S:
+        """The session's state; with `owner`, NOT_FOUND unless that owner opened it."""
         self.evict_idle()
         with self._lock:
             entry = self._entries.get(session_id)
-            if entry is None:
-                raise NotFound(f"unknown session {session_id!r}: never opened, released, or idle for more than "
-                               f"{self.idle_ttl_s:g} s")
+            if entry is None or (owner is not None and entry.owner is not owner and entry.owner != owner):
+                raise NotFound(f"unknown session {session_id!r}: never opened on this stream, released, or idle "
+                               f"for more than {self.idle_ttl_s:g} s")
             entry.last_used = self._clock()
             return entry.state
 

@@ -19,6 +19,8 @@ _TORCH_DTYPE = {
     common_pb2.D_TYPE_BOOL: torch.bool,
 }
 _PROTO_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
+MAX_DIMS = 8
+MAX_EXTENT = 1 << 40  # product of the non-zero dimensions: even an empty tensor's shape must be a sane one
 assert sys.byteorder == "little", "tensor bytes are little-endian on the wire"
 
 
@@ -39,6 +41,9 @@ def from_proto(msg: common_pb2.Tensor, what: str = "tensor") -> torch.Tensor:
                               f"{[common_pb2.DType.Name(d) for d in _TORCH_DTYPE]}")
     if any(d < 0 for d in msg.shape):
         raise InvalidArgument(f"{what}: negative dimension in shape {list(msg.shape)}")
+    if len(msg.shape) > MAX_DIMS or math.prod(max(d, 1) for d in msg.shape) > MAX_EXTENT:
+        raise InvalidArgument(f"{what}: shape {list(msg.shape)} is too large (at most {MAX_DIMS} dimensions, "
+                              f"{MAX_EXTENT} elements)")
     dtype = _TORCH_DTYPE[msg.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(msg.shape) * itemsize
