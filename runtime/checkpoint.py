@@ -5,6 +5,16 @@ layers.{i}.attention.{wq,wk,wv,wo}.{weight,bias}, layers.{i}.attention.{q_norm,k
 layers.{i}.ffn_norm.weight, layers.{i}.feed_forward.{w1,w2,w3}.weight (gate, down, up), norm.weight,
 output.weight (absent when the embeddings are tied).
 
+qwen35 (Qwen3.5 hybrid) adds, per linear-attention layer,
+layers.{i}.linear_attention.{in_qkv,in_z,in_b,in_a,out}.weight, .conv [C, K], .dt_bias, .A (= -exp(A_log)) and
+.norm.weight; its attention has the output gate inside wq. HF keeps
+its RMSNorm weights zero-centred (applied as 1 + w) except the linear-attention output norm: we add the 1 at load,
+as llama.cpp's converter does when writing GGUF. GGUF (llama.cpp's qwen35 names) differs from HF also in: A_log
+stored as -exp(A_log) (ssm_a), the conv weight squeezed to [C, K], dt_bias as ssm_dt.bias, post_attention_norm for
+the FFN norm, and, when there are more linear value heads than key heads, the value heads reordered from grouped
+by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, the conv's V rows and ssm_out's
+columns): we undo that reordering.
+
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
 not permute qwen2/qwen3 (llama.cpp runs those with NEOX RoPE, which is rotate_half), so nor do we.
@@ -75,6 +85,31 @@ _HF_LAYER = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+_QWEN35_GGUF_LAYER = {
+    **{k: v for k, v in _GGUF_LAYER.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "ffn_norm.weight",
+    "attn_qkv.weight": "linear_attention.in_qkv.weight",
+    "attn_gate.weight": "linear_attention.in_z.weight",
+    "ssm_beta.weight": "linear_attention.in_b.weight",
+    "ssm_alpha.weight": "linear_attention.in_a.weight",
+    "ssm_conv1d.weight": "linear_attention.conv",
+    "ssm_dt.bias": "linear_attention.dt_bias",
+    "ssm_a": "linear_attention.A",
+    "ssm_norm.weight": "linear_attention.norm.weight",
+    "ssm_out.weight": "linear_attention.out.weight",
+}
+_QWEN35_HF_LAYER = {
+    **_HF_LAYER,
+    "linear_attn.in_proj_qkv.weight": "linear_attention.in_qkv.weight",
+    "linear_attn.in_proj_z.weight": "linear_attention.in_z.weight",
+    "linear_attn.in_proj_b.weight": "linear_attention.in_b.weight",
+    "linear_attn.in_proj_a.weight": "linear_attention.in_a.weight",
+    "linear_attn.conv1d.weight": "linear_attention.conv",
+    "linear_attn.dt_bias": "linear_attention.dt_bias",
+    "linear_attn.A_log": "linear_attention.A",
+    "linear_attn.norm.weight": "linear_attention.norm.weight",
+    "linear_attn.out_proj.weight": "linear_attention.out.weight",
+}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -123,7 +158,7 @@ def _rename(name: str, global_map: dict[str, str], layer_map: dict[str, str], la
     m = layer_re.fullmatch(name)
     if m and m.group(2) in layer_map:
         return f"layers.{m.group(1)}.{layer_map[m.group(2)]}"
-    raise ValueError(f"unexpected tensor {name!r}: not part of a supported llama/qwen2/qwen3 model")
+    raise ValueError(f"unexpected tensor {name!r}: not part of a supported llama/qwen2/qwen3/qwen35 model")
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -145,12 +180,15 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
             factors = tuple(dequantize_tensor(tensor).tolist())
             config = dataclasses.replace(config, rope_freq_factors=factors)
             continue
-        ours = _rename(tensor.name, _GGUF_GLOBAL, _GGUF_LAYER, _GGUF_LAYER_RE)
+        layer_map = _QWEN35_GGUF_LAYER if config.architecture == "qwen35" else _GGUF_LAYER
+        ours = _rename(tensor.name, _GGUF_GLOBAL, layer_map, _GGUF_LAYER_RE)
         w = dequantize_tensor(tensor)
         if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
             w = _unpermute_rows(w, config.num_heads if ".wq." in ours else config.num_kv_heads)
         weights[ours] = w
     del reader
+    if config.architecture == "qwen35":
+        _untile_v_heads(config, weights)
     config = _with_biases(config, weights)
     if config.rope_freq_factors is not None and len(config.rope_freq_factors) != config.head_dim // 2:
         raise ValueError(f"rope_freqs has {len(config.rope_freq_factors)} entries, expected {config.head_dim // 2}")
@@ -164,11 +202,11 @@ def _load_hf(path: Path, progress: bool) -> Checkpoint:
     config = config_from_hf(read_hf_config(path))
     tensors = read_safetensors(path)
     _log(progress, f"read {len(tensors)} safetensors tensors from {path}", t0)
-    weights: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        weights[_rename(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE)] = tensor.to(torch.float32)
+    if config.architecture == "qwen35":
+        weights = _qwen35_hf_weights(tensors)
+    else:
+        weights = {_rename(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE): tensor.to(torch.float32)
+                   for name, tensor in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("output.weight", None)
     elif "output.weight" not in weights:
@@ -178,9 +216,54 @@ def _load_hf(path: Path, progress: bool) -> Checkpoint:
     return Checkpoint(config, weights, hf_dir=path)
 
 
+def _qwen35_hf_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Qwen3.5 text model's tensors under our names (a ConditionalGeneration's vision tower and MTP dropped)."""
+    weights = {}
+    for name, tensor in tensors.items():
+        name = name.replace("model.language_model.", "model.")
+        if name.startswith(("mtp.", "model.visual.", "visual.")) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        ours = _rename(name, _HF_GLOBAL, _QWEN35_HF_LAYER, _HF_LAYER_RE)
+        w = tensor.to(torch.float32)
+        if ours.endswith("norm.weight") and not ours.endswith("linear_attention.norm.weight"):
+            w = w + 1.0
+        elif ours.endswith("linear_attention.conv"):
+            w = w.squeeze(1)
+        elif ours.endswith("linear_attention.A"):
+            w = -torch.exp(w)
+        weights[ours] = w
+    return weights
+
+
+def _swap_head_groups(w: torch.Tensor, dim: int, outer: int, inner: int, size: int) -> torch.Tensor:
+    """Along `dim`, blocks of `size` laid out [outer, inner] -> [inner, outer]."""
+    shape = list(w.shape)
+    w = w.reshape(*shape[:dim], outer, inner, size, *shape[dim + 1 :])
+    return w.transpose(dim, dim + 1).reshape(shape)
+
+
+def _untile_v_heads(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Undo llama.cpp's qwen35 V-head reorder (grouped by key head -> tiled) in place."""
+    c = config
+    nk, r, dv = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads, c.linear_value_head_dim
+    if r == 1:
+        return
+    qk = 2 * nk * c.linear_key_head_dim
+    for i in c.linear_layers:
+        p = f"layers.{i}.linear_attention."
+        for name in ("in_qkv.weight", "conv"):
+            w = weights[p + name]
+            weights[p + name] = torch.cat([w[:qk], _swap_head_groups(w[qk:], 0, r, nk, dv)])
+        weights[p + "in_z.weight"] = _swap_head_groups(weights[p + "in_z.weight"], 0, r, nk, dv)
+        for name in ("in_b.weight", "in_a.weight", "dt_bias", "A"):
+            weights[p + name] = _swap_head_groups(weights[p + name], 0, r, nk, 1)
+        weights[p + "out.weight"] = _swap_head_groups(weights[p + "out.weight"], 1, r, nk, dv)
+
+
 def _with_biases(config: ModelConfig, weights: dict[str, torch.Tensor]) -> ModelConfig:
-    qkv_bias = "layers.0.attention.wq.bias" in weights
-    out_bias = "layers.0.attention.wo.bias" in weights
+    first = next(i for i in range(config.num_layers) if not config.is_linear(i))
+    qkv_bias = f"layers.{first}.attention.wq.bias" in weights
+    out_bias = f"layers.{first}.attention.wo.bias" in weights
     return dataclasses.replace(config, attention_bias=qkv_bias, attention_out_bias=out_bias)
 
 

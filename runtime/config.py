@@ -12,10 +12,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
-_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_HF_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen35"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen35")
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                     "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35"}
+_HF_MODEL_TYPES = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
+_HF_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen35": 32768}
+LAYER_KINDS = ("attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,17 @@ class ModelConfig:
     attention_out_bias: bool = False  # o projection has a bias (llama/qwen3 with attention_bias=true)
     # Divisors of the inverse frequencies from a GGUF rope_freqs tensor: llama.cpp's form of llama3 scaling.
     rope_freq_factors: tuple[float, ...] | None = None
+    # qwen35 (Qwen3.5 hybrid): the kind of each layer (LAYER_KINDS; empty = every layer is attention), RoPE on the
+    # first rotary_dim dims of a head only (0 = all), a sigmoid output gate on attention (q_proj gives q and gate
+    # per head), and the Gated DeltaNet shape of the linear-attention layers.
+    layer_types: tuple[str, ...] = ()
+    rotary_dim: int = 0
+    attention_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -62,6 +76,34 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.layer_types:
+            self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_KINDS for t in self.layer_types):
+            raise ValueError(f"layer_types must name one of {LAYER_KINDS} for each of the {self.num_layers} layers, "
+                             f"got {list(self.layer_types)}")
+        if "attention" not in self.layer_types:
+            raise ValueError("a hybrid model needs at least one full-attention layer")
+        if self.linear_layers:
+            dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                    self.linear_value_head_dim, self.linear_conv_kernel)
+            if min(dims) < 1:
+                raise ValueError(f"linear-attention layers need positive head counts, head dims and conv kernel, "
+                                 f"got {dims}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                                 f"linear_num_key_heads {self.linear_num_key_heads}")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Ids of the linear-attention (Gated DeltaNet) layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def fingerprint(self) -> str:
         """sha256 of the architecture's shape: equal for the same model in any quantization or file format."""
@@ -80,6 +122,11 @@ class ModelConfig:
         }
         if self.rope_freq_factors is not None:
             shape["rope_freq_factors"] = list(self.rope_freq_factors)
+        if self.architecture == "qwen35":
+            shape.update(layer_types=list(self.layer_types), rotary_dim=self.rotary_dim,
+                         attention_output_gate=self.attention_output_gate,
+                         linear=[self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                                 self.linear_value_head_dim, self.linear_conv_kernel])
         canonical = json.dumps(_round_floats(shape), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -128,7 +175,7 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
     num_heads = int(get("attention.head_count"))
     head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // num_heads)
     rope_dim = int(metadata.get(f"{arch}.rope.dimension_count") or head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "qwen35":
         raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head_dim {head_dim}) are unsupported")
 
     if f"{arch}.vocab_size" in metadata:
@@ -160,13 +207,17 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
         raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
 
     num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    num_layers = int(get("block_count"))
+    hybrid = {}
+    if arch == "qwen35":
+        hybrid = _qwen35_from_gguf(get, num_layers, rope_dim)
     return ModelConfig(
         architecture=arch,
         name=str(metadata.get("general.name", arch)),
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -176,7 +227,26 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=not has_output_weight,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen35"),
+        **hybrid,
+    )
+
+
+def _qwen35_from_gguf(get: Any, num_layers: int, rope_dim: int) -> dict[str, Any]:
+    """The hybrid fields from llama.cpp's qwen35 keys: ssm.group_count = linear key heads, ssm.time_step_rank =
+    linear value heads, ssm.state_size = key head dim, ssm.inner_size = value heads x value head dim; every
+    full_attention_interval-th layer is full attention."""
+    interval = int(get("full_attention_interval", 4))
+    num_v_heads = int(get("ssm.time_step_rank"))
+    return dict(
+        layer_types=tuple("attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)),
+        rotary_dim=rope_dim,
+        attention_output_gate=True,
+        linear_num_key_heads=int(get("ssm.group_count")),
+        linear_num_value_heads=num_v_heads,
+        linear_key_head_dim=int(get("ssm.state_size")),
+        linear_value_head_dim=int(get("ssm.inner_size")) // num_v_heads,
+        linear_conv_kernel=int(get("ssm.conv_kernel")),
     )
 
 
@@ -215,11 +285,15 @@ def _rope_from_hf(params: dict[str, Any], max_positions: int) -> RopeScaling | N
 
 
 def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from an HF config.json of LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    """ModelConfig from an HF config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3.5
+    (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration)."""
     names = config_json.get("architectures") or []
     arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
-    if arch is None and config_json.get("model_type") in ARCHITECTURES and not names:
-        arch = config_json["model_type"]
+    if arch is None and not names:
+        model_type = config_json.get("model_type")
+        arch = model_type if model_type in ARCHITECTURES else _HF_MODEL_TYPES.get(model_type)
+    if arch == "qwen35" and isinstance(config_json.get("text_config"), dict):
+        config_json = {**config_json["text_config"], "architectures": names}
     if arch is None:
         raise ValueError(
             f"unsupported HF architecture {names or config_json.get('model_type')!r}; "
@@ -231,17 +305,20 @@ def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
         raise ValueError("sliding-window attention (use_sliding_window=true) is unsupported")
     if config_json.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config_json['hidden_act']!r}; only silu (SwiGLU)")
-    if config_json.get("partial_rotary_factor", 1.0) != 1.0:
+    params = dict(config_json.get("rope_parameters") or config_json.get("rope_scaling") or {})
+    partial = params.get("partial_rotary_factor", config_json.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and arch != "qwen35":
         raise ValueError("partial rotary embeddings are unsupported")
 
     hidden = int(config_json["hidden_size"])
     num_heads = int(config_json["num_attention_heads"])
     max_positions = int(config_json.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS[arch]))
     # transformers < 5: rope_theta + rope_scaling; >= 5: rope_parameters {rope_theta, rope_type, ...}.
-    params = dict(config_json.get("rope_parameters") or config_json.get("rope_scaling") or {})
     theta = params.get("rope_theta", config_json.get("rope_theta", 10000.0))
     bias = arch == "qwen2" or bool(config_json.get("attention_bias", False))
     name = config_json.get("_name_or_path") or (names[0] if names else arch)
+    head_dim = int(config_json.get("head_dim") or hidden // num_heads)
+    hybrid = _qwen35_from_hf(config_json, head_dim) if arch == "qwen35" else {}
     return ModelConfig(
         architecture=arch,
         name=str(name),
@@ -251,13 +328,38 @@ def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
         num_layers=int(config_json["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(config_json.get("num_key_value_heads") or num_heads),
-        head_dim=int(config_json.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(config_json.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         rope_scaling=_rope_from_hf(params, max_positions),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(config_json.get("tie_word_embeddings", False)),
         attention_bias=bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen35"),
         attention_out_bias=bias and arch != "qwen2",
+        **hybrid,
+    )
+
+
+def _qwen35_from_hf(config_json: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Qwen3_5TextConfig's hybrid fields (its defaults where the file omits one: partial_rotary_factor 0.25, a
+    full-attention layer every 4). For text the three M-RoPE sections share the position, i.e. plain RoPE."""
+    layers = int(config_json["num_hidden_layers"])
+    interval = int(config_json.get("full_attention_interval", 4))
+    types = config_json.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported qwen3_5 layer types {unknown}; supported: full_attention, linear_attention")
+    params = dict(config_json.get("rope_parameters") or {})
+    partial = float(params.get("partial_rotary_factor", config_json.get("partial_rotary_factor", 0.25)))
+    return dict(
+        layer_types=tuple("attention" if t == "full_attention" else t for t in types),
+        rotary_dim=int(head_dim * partial),
+        attention_output_gate=True,
+        linear_num_key_heads=int(config_json.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(config_json.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(config_json.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(config_json.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(config_json.get("linear_conv_kernel_dim", 4)),
     )

@@ -119,6 +119,10 @@ class KVCache:
         self.pending = 0
         self.pending_parents = None
 
+    def can_rollback(self, new_length: int) -> bool:
+        """Whether `rollback(new_length)` can restore that length (HybridCache keeps only recent states)."""
+        return 0 <= new_length <= self.length
+
     def rollback(self, new_length: int) -> None:
         """Forget committed rows from `new_length` on (and any pending rows)."""
         if not 0 <= new_length <= self.length:
@@ -141,3 +145,113 @@ class LayerKV:
         kc[:, c.length : end] = k
         vc[:, c.length : end] = v
         return kc[:, :end], vc[:, :end]
+
+
+class LinearState:
+    """One linear-attention layer's state for one sequence (runtime/linear_attention.py): the committed
+    recurrent state [Hv, dk, dv] (float32) and conv window [K-1, C], and the per-row states and conv windows
+    [T, K, C] of the last forward, pending until a commit keeps one row's."""
+
+    def __init__(self, num_v_heads: int, k_dim: int, v_dim: int, conv_dim: int, kernel: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        self.state = torch.zeros(num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(kernel - 1, conv_dim, dtype=dtype, device=device)
+        self.pending_states: torch.Tensor | None = None
+        self.pending_windows: torch.Tensor | None = None
+
+    def set_pending(self, states: torch.Tensor, windows: torch.Tensor) -> None:
+        assert states.shape[1:] == self.state.shape and windows.shape[2:] == self.conv.shape[1:], (
+            states.shape, windows.shape)
+        self.pending_states, self.pending_windows = states, windows
+
+    def row(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv window) after pending row r; copies, so the pending tensors can be freed."""
+        assert self.pending_states is not None and self.pending_windows is not None
+        return self.pending_states[r].clone(), self.pending_windows[r, 1:].clone()
+
+    def reset(self) -> None:
+        self.state, self.conv = torch.zeros_like(self.state), torch.zeros_like(self.conv)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.state, self.conv))
+
+
+class HybridCache(KVCache):
+    """KV rows for the attention layers plus a LinearState per linear-attention layer (Qwen3.5).
+
+    Commit keeps the state of the accepted path's last row. Rollback needs the recurrent state at the earlier
+    length: the cache keeps copies at the last `snapshot_window` committed lengths (and length 0 is the zero
+    state); `can_rollback` says whether a length is among them, otherwise the caller recomputes from the tokens
+    (target_service/engine.py re-prefills). Memory: one state per linear layer per snapshot, and one per new row
+    of a forward while it is pending.
+    """
+
+    def __init__(self, config: ModelConfig, max_length: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, initial_capacity: int = 256,
+                 snapshot_window: int = 8) -> None:
+        attention = [i for i in range(config.num_layers) if not config.is_linear(i)]
+        if not attention:
+            raise ValueError("a hybrid cache needs at least one attention layer")
+        super().__init__(len(attention), config.num_kv_heads, config.head_dim, max_length, dtype, device,
+                         initial_capacity)
+        self.slots = {layer: j for j, layer in enumerate(attention)}
+        c = config
+        conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim)
+        self.linear = {i: LinearState(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                      conv_dim, c.linear_conv_kernel, dtype, device) for i in c.linear_layers}
+        self.snapshot_window = snapshot_window
+        self.snapshots: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        snapshots = sum(s.numel() * s.element_size() + w.numel() * w.element_size()
+                        for snap in self.snapshots.values() for s, w in snap.values())
+        return super().nbytes + sum(s.nbytes for s in self.linear.values()) + snapshots
+
+    def layer(self, index: int) -> LayerKV | LinearState:
+        return self.linear[index] if index in self.linear else LayerKV(self, self.slots[index])
+
+    def discard(self) -> None:
+        super().discard()
+        for s in self.linear.values():
+            s.pending_states = s.pending_windows = None
+
+    def commit(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Keep pending rows `rows` (a root-to-node path of the last forward's tree); the recurrent states become
+        those after its last row."""
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        start = self.length
+        kept = {}
+        if rows:
+            first = max(0, len(rows) - self.snapshot_window)
+            kept = {start + j + 1: {i: s.row(rows[j]) for i, s in self.linear.items()}
+                    for j in range(first, len(rows))}
+        super().commit(rows)  # validates the rows before changing anything, then discards the pending rows
+        if kept:
+            for i, s in self.linear.items():
+                s.state, s.conv = kept[self.length][i]
+            self.snapshots.update(kept)
+            for length in [n for n in self.snapshots if n <= self.length - self.snapshot_window]:
+                del self.snapshots[length]
+
+    def can_rollback(self, new_length: int) -> bool:
+        return new_length == 0 or new_length == self.length or new_length in self.snapshots
+
+    def rollback(self, new_length: int) -> None:
+        if not 0 <= new_length <= self.length:
+            raise ValueError(f"rollback to {new_length} outside [0, {self.length}]")
+        if not self.can_rollback(new_length):
+            raise ValueError(f"no recurrent state kept for length {new_length} (the last {self.snapshot_window} "
+                             "committed lengths are kept): recompute it from the tokens")
+        if new_length == 0:
+            for s in self.linear.values():
+                s.reset()
+        elif new_length != self.length:
+            for i, s in self.linear.items():
+                state, conv = self.snapshots[new_length][i]
+                s.state, s.conv = state.clone(), conv.clone()
+        for length in [n for n in self.snapshots if n > new_length]:
+            del self.snapshots[length]
+        super().rollback(new_length)

@@ -1,8 +1,9 @@
-"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints.
+"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, and the qwen35 hybrid (Qwen3.5: Gated DeltaNet
+linear-attention layers between gated full-attention layers; runtime/linear_attention.py).
 
 One forward runs one sequence's new rows, or several sequences' rows concatenated (a ragged batch): the
 projections, MLPs and lm_head run once over all rows (one read of the weights), attention runs per sequence
-against that sequence's own K/V.
+against that sequence's own K/V, and a linear-attention layer runs its recurrence for all sequences at once.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import CacheFullError, KVCache
+from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
+from .linear_attention import GatedDeltaNet, chain_parents, parents_from_mask
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ class Segment:
     end: int
     mask: torch.Tensor | None
     kv: KVSource
+    parents: list[int] | None = None  # the rows' tree, for linear-attention layers (None: a chain)
 
 
 @dataclass
@@ -84,7 +87,9 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.wq = Linear(c.hidden_size, q_dim, bias=c.attention_bias)
+        self.output_gate = c.attention_output_gate  # wq gives [q, gate] per head; out = attn * sigmoid(gate)
+        self.rotary_dim = c.rotary_dim or c.head_dim
+        self.wq = Linear(c.hidden_size, 2 * q_dim if self.output_gate else q_dim, bias=c.attention_bias)
         self.wk = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
         self.wv = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
         self.wo = Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
@@ -106,7 +111,13 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+        return self._rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
@@ -120,10 +131,14 @@ class Attention(nn.Module):
         T = x.shape[0]
         assert segments[0].begin == 0 and segments[-1].end == T, (segments[0].begin, segments[-1].end, T)
         q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(T, self.num_heads * self.head_dim)
         q = q.reshape(T, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
+        q = self._rope(q.transpose(0, 1), cos, sin)
         k_new, v_new = self._rotate_kv(k, v, cos, sin)
         outs = []
         for seg in segments:
@@ -133,7 +148,10 @@ class Attention(nn.Module):
                                                  attn_mask=seg.mask, enable_gqa=True)
             outs.append(out[0])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return self.wo(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
+        out = out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -153,10 +171,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm residual block; its token mixer is attention, or linear attention (layer_types of a hybrid)."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config)
+        linear = config.is_linear(layer)
+        self.attention = None if linear else Attention(config)
+        self.linear_attention = GatedDeltaNet(config) if linear else None
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
 
@@ -167,7 +189,10 @@ class Block(nn.Module):
 
     def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          segments: Sequence[Segment]) -> torch.Tensor:
-        h = x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
+        if self.linear_attention is not None:
+            h = x + self.linear_attention.forward_segments(self.attention_norm(x), segments)
+        else:
+            h = x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -183,7 +208,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -195,7 +220,7 @@ class Transformer(nn.Module):
         c = self.config
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = rope_inv_freq(
-                c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors
+                c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors
             )
         self.register_buffer("inv_freq", inv_freq.to(self.tok_embeddings.weight.device), persistent=False)
 
@@ -218,6 +243,9 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.device
 
     def new_cache(self, max_length: int | None = None, initial_capacity: int = 256) -> KVCache:
+        if self.config.linear_layers:
+            max_length = self.config.max_position_embeddings if max_length is None else max_length
+            return HybridCache(self.config, max_length, self.dtype, self.device, initial_capacity)
         return KVCache.for_config(self.config, max_length, self.dtype, self.device, initial_capacity)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +287,7 @@ class Transformer(nn.Module):
             raise ValueError("each sequence of a batch needs its own cache")
         for b in batch:
             self._check_input(b)
+        trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
         masks, bounds, begin = [], [], 0
         for b in batch:
             T = b.tokens.shape[0]
@@ -279,6 +308,9 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             segments = [Segment(lo, hi, m, b.cache.layer(i)) for (lo, hi), m, b in zip(bounds, masks, batch,
                                                                                        strict=True)]
+            if trees is not None:
+                for seg, parents in zip(segments, trees, strict=True):
+                    seg.parents = parents
             x = block.forward_segments(x, cos, sin, segments)
             if i in wanted:
                 captured[i] = x
@@ -292,6 +324,17 @@ class Transformer(nn.Module):
             outputs.append(ForwardOutput(logits[offset : offset + len(r)], captures))
             offset += len(r)
         return outputs
+
+    @staticmethod
+    def _tree(b: SequenceInput) -> list[int]:
+        """The new rows' parents (linear-attention layers follow them; attention follows the mask)."""
+        T = b.tokens.shape[0]
+        if b.new_rows_mask is not None:
+            return parents_from_mask(b.new_rows_mask)
+        if b.mask is not None:
+            start = b.mask.shape[1] - T
+            return parents_from_mask(b.mask[:, start:], b.mask[:, :start])
+        return chain_parents(T)
 
     def _check_input(self, b: SequenceInput) -> None:
         tokens, positions, cache, mask = b.tokens, b.positions, b.cache, b.mask
