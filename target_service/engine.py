@@ -46,6 +46,7 @@ class EngineLimits:
     # Rows one batched forward may hold (sessions' steps and prefill chunks together); 1 forward per step
     # when it is smaller than one session's step.
     max_batch_rows: int = 1024
+    max_sessions_per_principal: int = 0  # 0 = max_sessions
 
 
 @dataclass
@@ -109,7 +110,8 @@ class TargetEngine:
         self.name = name
         self.limits = limits
         self.max_length = min(limits.max_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.sessions: SessionStore[TargetSession] = SessionStore(limits.max_sessions, limits.idle_ttl_s)
+        self.sessions: SessionStore[TargetSession] = SessionStore(
+            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
         self.fingerprint = (cfg.fingerprint(), tokenizer.fingerprint())
         # Every forward goes through one worker: steps of concurrent sessions share a forward (continuous batching).
         self.batcher: StepBatcher[SequenceInput, ForwardOutput] = StepBatcher(
@@ -185,7 +187,9 @@ class TargetEngine:
 
     # -- model steps --------------------------------------------------------------------------------
 
-    def prefill(self, session_id: str, prompt: Prompt, sampling: SamplingParams | None = None) -> Prefilled:
+    def prefill(self, session_id: str, prompt: Prompt, sampling: SamplingParams | None = None,
+                max_capture_bytes: int | None = None) -> Prefilled:
+        """max_capture_bytes: refuse (RESOURCE_EXHAUSTED) before the forward when the captures would be larger."""
         s = self.sessions.get(session_id)
         if s.prefilled:
             raise FailedPrecondition("this session is already prefilled; open a new session or Rollback")
@@ -193,6 +197,7 @@ class TargetEngine:
         if len(ids) >= s.max_length:
             raise InvalidArgument(f"the prompt has {len(ids)} tokens; this session holds at most "
                                   f"{s.max_length - 1} prompt tokens (max_length {s.max_length})")
+        self._check_capture_size(s, len(ids), max_capture_bytes, "a prefill")
         s.sampling = sampling or SamplingParams()
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
         with s.lock:
@@ -207,7 +212,7 @@ class TargetEngine:
 
     def verify(self, session_id: str, tokens: list[int], parents: list[int], commit: bool = False,
                return_logits: bool = False, draft_ids: torch.Tensor | None = None,
-               draft_logprobs: torch.Tensor | None = None) -> Verified:
+               draft_logprobs: torch.Tensor | None = None, max_capture_bytes: int | None = None) -> Verified:
         """draft_ids/draft_logprobs [N, k]: for a sampled chain, row i = the sparse distribution node i + 1 was
         drawn from; with them a chain is accepted by rejection sampling, otherwise by sample-and-match."""
         s = self.sessions.get(session_id)
@@ -224,6 +229,7 @@ class TargetEngine:
         if s.cache.length + depth + 1 > s.max_length:
             raise ResourceExhausted(f"context full: {s.cache.length} rows committed, a tree of depth {depth} "
                                     f"does not fit in max_length {s.max_length}")
+        self._check_capture_size(s, depth + 1, max_capture_bytes, "committing a path of this tree")
         batches: list[BatchInfo] = []
         accepted: list[tuple[list[int], int]] = []
 
@@ -247,6 +253,14 @@ class TargetEngine:
         s.pending_tree = PendingTree(list(tokens), list(parents), captures)
         committed = self._commit(s, path, next_token) if commit else None
         return Verified(path, next_token, logits if return_logits else None, committed, batches[-1])
+
+    def _check_capture_size(self, s: TargetSession, rows: int, max_bytes: int | None, what: str) -> None:
+        size = rows * len(s.capture_layers) * self.model.config.hidden_size * 2  # bf16 on the wire
+        if max_bytes is not None and size > max_bytes:
+            raise ResourceExhausted(
+                f"{what} would capture {rows} rows x {len(s.capture_layers)} layers = {size} bytes, over the reply "
+                f"limit of {max_bytes} bytes (--max-message-bytes); capture fewer layers, send fewer tokens, or "
+                "raise --max-message-bytes on both ends")
 
     def _forward(self, inp: SequenceInput, batches: list[BatchInfo] | None = None,
                  then: Callable[[ForwardOutput], ForwardOutput] | None = None) -> ForwardOutput:
