@@ -1,5 +1,6 @@
 # One image for both services and the client; docker-compose.yml picks the command
-# (target: dspark-target serve, draft: dspark-draft serve --drafter random, client: dspark generate).
+# (target: dspark-target serve --drafter draft:50052, draft: dspark-draft serve --drafter embedded, client: dspark
+# generate).
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1

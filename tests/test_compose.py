@@ -56,7 +56,8 @@ def test_broken_compose_file_is_refused(compose_binary, tmp_path, old, new, comp
 def test_compose_services(compose_binary, tmp_path):
     result = compose(compose_binary, tmp_path, COMPOSE_FILE, "--format", "json")
     assert result.returncode == 0, result.stderr
-    services = json.loads(result.stdout)["services"]
+    config = json.loads(result.stdout)
+    services = config["services"]
     assert set(services) == {"target", "draft", "client"}
     assert {s["image"] for s in services.values()} == {"dspark-grpc:latest"}
 
@@ -71,6 +72,19 @@ def test_compose_services(compose_binary, tmp_path):
         assert [p["target"] for p in s["ports"]] == [port]
     draft = services["draft"]["command"]
     assert draft[draft.index("--drafter") + 1] == "embedded"
+    # Generate speculates out of the box: the target knows the draft service
+    target = services["target"]["command"]
+    assert target[target.index("--drafter") + 1] == "draft:50052"
+    # one local image, built by the target service and never pulled
+    assert services["target"]["pull_policy"] == "build" and "build" in services["target"]
+    assert services["draft"]["pull_policy"] == services["client"]["pull_policy"] == "never"
+    # the cost tables survive `docker compose down`/`up` in a named volume both services use
+    assert "cost-tables" in config["volumes"]
+    for name in ("target", "draft"):
+        s = services[name]
+        [volume] = s["volumes"]
+        assert volume["type"] == "volume" and volume["source"] == "cost-tables"
+        assert s["environment"]["DSPARK_COST_CACHE"] == volume["target"]
     # the draft service's start-up cost profile waits for the target's
     assert services["draft"]["depends_on"]["target"]["condition"] == "service_healthy"
 
