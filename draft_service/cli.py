@@ -14,6 +14,7 @@ from dspark_grpc.client.cost_table import default_cache_dir
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, serve
 
 from dspark_grpc.cli_common import OneLineParser
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[dspark-draft] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                          max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
-                         default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                         default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                         max_sessions_per_principal=args.max_sessions_per_principal)
+    security = server_security(args)
 
     def load() -> None:
         drafter = args.drafter or ("embedded" if args.target_model is None else "none")
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                      grace_s=args.grace, log_prefix="[dspark-draft]"))
+                      grace_s=args.grace, log_prefix="[dspark-draft]", security=security))
 
 
 if __name__ == "__main__":

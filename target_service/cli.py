@@ -9,7 +9,9 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
+from dspark_grpc.client.sdk import ChannelSecurity
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -41,6 +43,13 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a drafter call may take before the request finishes target-only")
     s.add_argument("--max-batch-rows", type=int, default=1024,
                    help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
+    s.add_argument("--drafter-tls-ca", default=None, metavar="PEM",
+                   help="talk TLS to --drafter, trusting this CA (the drafter serves with --tls-cert)")
+    s.add_argument("--drafter-tls-cert", default=None, metavar="PEM",
+                   help="client certificate for a drafter that requires one (--tls-client-ca there)")
+    s.add_argument("--drafter-tls-key", default=None, metavar="PEM", help="private key of --drafter-tls-cert")
+    s.add_argument("--drafter-auth-token-file", default=None, metavar="FILE",
+                   help="bearer token for a drafter started with --auth-token-file (its first token)")
     add_serve_arguments(s, default_port=50051)
     return p
 
@@ -54,7 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     mode = common_pb2.DecodeMode.Value(f"DECODE_MODE_{args.default_mode.upper()}")
+    security = server_security(args)
+    try:
+        drafter_security = ChannelSecurity.from_files(args.drafter_tls_ca, args.drafter_tls_cert,
+                                                      args.drafter_tls_key, args.drafter_auth_token_file)
+    except (OSError, ValueError) as e:
+        p.error(f"drafter link: {e}")
     servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
+                              drafter_security=drafter_security,
                               default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions)
     observe_forward = None
     if args.metrics_port is not None:
@@ -71,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[dspark-target] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None,
-                          max_batch_rows=args.max_batch_rows)
+                          max_batch_rows=args.max_batch_rows,
+                          max_sessions_per_principal=args.max_sessions_per_principal)
 
     def load() -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
@@ -93,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                      grace_s=args.grace, log_prefix="[dspark-target]"))
+                      grace_s=args.grace, log_prefix="[dspark-target]", security=security))
 
 
 if __name__ == "__main__":
