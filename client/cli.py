@@ -152,7 +152,8 @@ def _request_failure(code: int, message: str) -> str:
     return f"{name}: {message}"
 
 
-def _main(argv: list[str] | None) -> None:
+def parser() -> OneLineParser:
+    """The `dspark` parser; `.commands` maps each sub-command to its parser."""
     p = OneLineParser(prog="dspark", description="dspark-grpc client")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate with a running target service")
@@ -209,7 +210,14 @@ def _main(argv: list[str] | None) -> None:
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     h.add_argument("address", nargs="?", default=DEFAULT_TARGET)
     h.add_argument("--service", default="", help="service name; empty = the whole server")
+    p.commands = {"generate": g, "bench": b, "demo": d, "health": h}
+    return p
+
+
+def _main(argv: list[str] | None) -> None:
+    p = parser()
     args = p.parse_args(argv)
+    g, b = p.commands["generate"], p.commands["bench"]
 
     if args.command == "health":
         sys.exit(0 if health_check(args.address, args.service) else 1)

@@ -90,7 +90,7 @@ def _service_main(prog: str, module: str) -> None:
         except ImportError:
             fail(prog, f"needs the service dependencies ({package} is not installed): "
                        "pip install 'dspark-grpc[server]' (the SDK alone is `pip install dspark-grpc`)")
-    importlib.import_module(module).main()
+    sys.exit(importlib.import_module(module).main())
 
 
 def target_main() -> None:

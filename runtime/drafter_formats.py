@@ -547,18 +547,22 @@ def init_random_drafter(
 # -- dspark-convert --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
         prog="dspark-convert",
         description="Convert a DFlash/DSpark drafter (z-lab, DeepSpec or speculators HF directory) to a drafter GGUF "
         "with every tensor inline.",
     )
-    parser.add_argument("hf_dir", help="the drafter's HF directory (config.json + model.safetensors)")
-    parser.add_argument("out", help="the .gguf file to write")
-    parser.add_argument("--target", default=None,
-                        help="target model (.gguf or HF dir) lending the embedding/lm_head the drafter lacks "
-                        "(default: the embedded SmolLM2-135M)")
-    args = parser.parse_args(argv)
+    p.add_argument("hf_dir", help="the drafter's HF directory (config.json + model.safetensors)")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--target", default=None,
+                   help="target model (.gguf or HF dir) lending the embedding/lm_head the drafter lacks "
+                   "(default: the embedded SmolLM2-135M)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         out = convert_to_gguf(args.hf_dir, args.out, args.target)
         c = drafter_config_from_gguf(read_gguf_metadata(open_gguf(out)))
