@@ -4,6 +4,7 @@ test module; helpers to read their live sessions and memory, and to wait with a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -104,3 +105,32 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="reliability: the long fuzz run (>= 50,000 messages instead of >= 2,000)")
+
+
+class Ops:
+    """One session stream (TargetSession or DraftSession) for tests: `ops(open=...)` sends one operation and returns
+    its response (status unchecked); `ops.ok(...)` returns the result and fails the test on a status."""
+
+    def __init__(self, method, request_type, timeout: float = 60.0, metadata: tuple = ()) -> None:
+        from dspark_grpc.client.sdk import SessionStream
+
+        opener = functools.partial(method, metadata=list(metadata)) if metadata else method
+        self.stream = SessionStream(opener, timeout)
+        self.request_type, self.timeout, self.next_id = request_type, timeout, 0
+
+    def __call__(self, **op):
+        self.next_id += 1
+        return self.stream.call(self.request_type(request_id=self.next_id, **op), timeout=self.timeout)
+
+    def ok(self, **op):
+        response = self(**op)
+        assert response.status.code == 0, response.status.message
+        return getattr(response, response.WhichOneof("result"))
+
+    def close(self) -> None:
+        self.stream.close()
