@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import logging
 import signal
 import socket
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.errors import InvalidArgument, ServiceError
-from dspark_grpc.runtime.security import Guard, ServerSecurity, is_loopback
+from dspark_grpc.runtime.security import HEALTH_PREFIX, Guard, ServerSecurity, is_loopback
 from dspark_grpc.runtime.sessions import Owner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -110,15 +111,78 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+class Lifecycle(grpc.aio.ServerInterceptor):
+    """Counts the RPCs under way, health aside, and once `draining` refuses new ones with UNAVAILABLE. So at
+    shutdown health keeps answering (NOT_SERVING) through the grace period, and the server stops as soon as the
+    last real RPC has ended: an open health Watch does not hold it."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no RPC is running (or none is left before `timeout` s)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+            ("stream" if handler.response_streaming else "unary")
+        behavior = getattr(handler, kind)
+
+        async def enter(context) -> None:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry elsewhere or "
+                                    "after it restarts")
+            self.running += 1
+            self._idle.clear()
+
+        def leave() -> None:
+            self.running -= 1
+            if not self.running:
+                self._idle.set()
+
+        if inspect.isasyncgenfunction(behavior):
+            async def tracked(request, context):
+                await enter(context)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    leave()
+        else:
+            async def tracked(request, context):
+                await enter(context)
+                try:
+                    return await behavior(request, context)
+                finally:
+                    leave()
+
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(tracked, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
 async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None], load: Callable[[], None],
                 host: str, port: int, max_message_bytes: int, grace_s: float, log_prefix: str,
                 security: ServerSecurity | None = None) -> None:
     """Start listening at once (health NOT_SERVING), load the model off the event loop, then report SERVING.
 
-    SIGTERM/SIGINT: health goes NOT_SERVING, new RPCs are refused, running ones get `grace_s` to finish.
+    SIGTERM/SIGINT: health goes NOT_SERVING (and keeps answering), new RPCs are refused with UNAVAILABLE, running
+    ones get `grace_s` to finish; the server stops when the last one ends, or at the grace period's end.
     """
     security = security or ServerSecurity()
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=[Guard(security.tokens)])
+    lifecycle = Lifecycle()
+    server = grpc.aio.server(options=server_options(max_message_bytes),
+                             interceptors=[Guard(security.tokens), lifecycle])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     register(server)
@@ -159,8 +223,11 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
         print(f"{log_prefix} SERVING on {host}:{bound}", flush=True)
         await stop.wait()
     print(f"{log_prefix} shutting down (grace {grace_s:g} s)", flush=True)
+    lifecycle.draining = True
     await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    if not await lifecycle.wait_idle(grace_s):
+        print(f"{log_prefix} {lifecycle.running} RPC(s) still running after the grace period: cancelled", flush=True)
+    await server.stop(0)
 
 
 def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> asyncio.Future:

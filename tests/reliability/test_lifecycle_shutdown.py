@@ -1,0 +1,141 @@
+"""Stopping the target under load: SIGTERM drains (health answers NOT_SERVING meanwhile, new calls are refused with
+UNAVAILABLE, an open health Watch does not hold the exit); calls still running at the grace period's end, and every
+call at a SIGKILL, end with a clear status. Nothing hangs. Each test stops its own target."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+from dspark_grpc.client import TargetClient
+from dspark_grpc.client.sdk import SessionStream
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.reliability.conftest import health, service, wait_until
+from tests.reliability.lifecycle_helpers import PROMPTS, generate_rpc, join_all, run_all, sdk_stream
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+UNAVAILABLE, CANCELLED = grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.CANCELLED.value[0]
+
+
+def _load(address: str, clients: list[TargetClient], max_new_tokens: int, n_rpc: int = 4):
+    """n_rpc Generate calls and one SDK stream per client, AR, all started; waits for the first tokens of each."""
+    calls = [(generate_rpc, (address, PROMPTS[i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                        mode=common_pb2.DECODE_MODE_AR)) for i in range(n_rpc)]
+    calls += [(sdk_stream, (c, PROMPTS[n_rpc + i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True, mode="ar"))
+              for i, c in enumerate(clients)]
+    outcomes, threads = run_all(calls)
+    for out in outcomes:
+        assert out.started.wait(120), "a call got no first token"
+    return outcomes, threads
+
+
+def _exit_seconds(proc, t0: float, bound: float) -> float:
+    try:
+        proc.wait(bound)
+    except Exception:  # noqa: BLE001 - TimeoutExpired: reported as the failure
+        raise AssertionError(f"the target did not exit within {bound:g} s of SIGTERM") from None
+    return time.monotonic() - t0
+
+
+def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
+    grace = 120.0
+    with service("target", ["--grace", str(grace)]) as target:
+        watched: list[int] = []
+        watch_channel = grpc.insecure_channel(target.address)
+        watch = health_pb2_grpc.HealthStub(watch_channel).Watch(health_pb2.HealthCheckRequest(), timeout=grace * 2)
+        threading.Thread(target=lambda: [watched.append(r.status) for r in _safe(watch)], daemon=True).start()
+        # a session stream the test holds open: the drain lasts until the test ends it (no race with request speed)
+        held_channel = grpc.insecure_channel(target.address)
+        held = SessionStream(target_pb2_grpc.TargetServiceStub(held_channel).TargetSession, timeout=grace * 2)
+        sid = _ok(held, 1, open=target_pb2.OpenSession()).opened.session_id
+        pre = _ok(held, 2, prefill=target_pb2.Prefill(session_id=sid, prompt=common_pb2.Prompt(text="Hello"))).prefilled
+        clients = [TargetClient(target.address, timeout=300) for _ in range(2)]
+        outcomes, threads = _load(target.address, clients, max_new_tokens=24)
+
+        t_term = time.monotonic()
+        target.process.send_signal(signal.SIGTERM)
+        # health keeps answering during the grace period, with NOT_SERVING; a new call is refused with UNAVAILABLE
+        wait_until(lambda: health(target.address, timeout=2) == NOT_SERVING, 30, "health NOT_SERVING after SIGTERM")
+        with grpc.insecure_channel(target.address) as channel:
+            try:
+                target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=10)
+                raise AssertionError("a new call was accepted while draining")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        # calls under way go on: the held stream still verifies, the load finishes
+        tree = common_pb2.TokenTree(tokens=[pre.next_token], parents=[-1])
+        assert _ok(held, 3, verify=target_pb2.Verify(session_id=sid, tree=tree, commit=True)).verified.committed
+        hung = join_all(threads, grace)
+        assert not hung, f"calls {hung} never returned: {[len(o.token_ids) for o in outcomes]} tokens"
+        assert all(o.code == 0 for o in outcomes), [(o.code, o.message) for o in outcomes]
+        assert [len(o.token_ids) for o in outcomes] == [24] * len(outcomes)
+        assert target.process.poll() is None, "the target exited while a stream was still open"
+
+        held.close()
+        t_last = time.monotonic()
+        exited = _exit_seconds(target.process, t_term, grace + 5)
+        # the Watch saw NOT_SERVING and did not keep the server up until the grace period's end
+        assert NOT_SERVING in watched
+        assert t_term + exited - t_last < 15, f"exit {exited:.1f} s after SIGTERM, the last call ended at " \
+                                              f"{t_last - t_term:.1f} s"
+        print(f"\nSIGTERM drain: last call ended {t_last - t_term:.2f} s, exit {exited:.2f} s after SIGTERM "
+              f"(grace {grace:g} s, a health Watch open)")
+        for c in clients:
+            c.close()
+        held_channel.close()
+        watch_channel.close()
+
+
+def test_sigterm_past_the_grace_period_ends_every_call_with_a_status():
+    grace = 2.0
+    with service("target", ["--grace", str(grace)]) as target:
+        clients = [TargetClient(target.address, timeout=300) for _ in range(4)]
+        outcomes, threads = _load(target.address, clients, max_new_tokens=4000)
+        t_term = time.monotonic()
+        target.process.send_signal(signal.SIGTERM)
+        hung = join_all(threads, grace + 10)
+        assert not hung, f"calls {hung} still running {grace + 10:g} s after SIGTERM"
+        exited = _exit_seconds(target.process, t_term, grace + 10)
+        codes = [o.code for o in outcomes]
+        assert set(codes) <= {UNAVAILABLE, CANCELLED}, [(o.code, o.message) for o in outcomes]
+        ends = [o.t_end - t_term for o in outcomes]
+        print(f"\nSIGTERM, grace {grace:g} s: calls ended {min(ends):.2f}-{max(ends):.2f} s after it, codes "
+              f"{sorted(set(codes))}, exit {exited:.2f} s")
+        for c in clients:
+            c.close()
+
+
+def test_sigkill_ends_every_call_with_unavailable():
+    with service("target") as target:
+        clients = [TargetClient(target.address, timeout=300) for _ in range(4)]
+        outcomes, threads = _load(target.address, clients, max_new_tokens=4000)
+        t_kill = time.monotonic()
+        target.process.kill()
+        hung = join_all(threads, 10)
+        assert not hung, f"calls {hung} still running 10 s after SIGKILL"
+        assert [o.code for o in outcomes] == [UNAVAILABLE] * len(outcomes), [(o.code, o.message) for o in outcomes]
+        print(f"\nSIGKILL: every call ended {max(o.t_end for o in outcomes) - t_kill:.2f} s after it, UNAVAILABLE")
+        # a client of the dead target fails at once, the same way
+        t0 = time.monotonic()
+        out = run_all([(sdk_stream, (clients[0], "Hi"), dict(max_new_tokens=4, mode="ar"))])
+        assert not join_all(out[1], 10)
+        assert out[0][0].code == UNAVAILABLE and time.monotonic() - t0 < 10
+        for c in clients:
+            c.close()
+
+
+def _safe(stream):
+    try:
+        yield from stream
+    except grpc.RpcError:
+        return
+
+
+def _ok(stream: SessionStream, request_id: int, **op) -> target_pb2.TargetSessionResponse:
+    response = stream.call(target_pb2.TargetSessionRequest(request_id=request_id, **op), timeout=120)
+    assert response.status.code == 0, response.status.message
+    return response
