@@ -1,0 +1,97 @@
+"""The Generate RPC's link to its draft service: one channel, a health probe, the drafter's info.
+
+A request speculates only while the last probe found the drafter SERVING, so a dead or stalled drafter costs new
+requests nothing and AR requests never wait on it. When a probe fails, the draft streams of the requests under
+way are cancelled (they finish target-only, same tokens), so a stall costs each of them at most one probe period
+(or the draft timeout, if shorter); the drafter is used again one probe interval after it is back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import grpc
+from dspark_grpc.client.generation import SpeculationConfig
+from dspark_grpc.client.planner import PlannerMemory
+from dspark_grpc.client.sdk import SessionStream
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 2.0  # a drafter slower than this to answer a health check is treated as stalled
+
+
+class DrafterLink:
+    def __init__(self, channel: grpc.Channel, address: str, draft_timeout: float | None,
+                 interval_s: float = PROBE_INTERVAL_S, probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.channel, self.address = channel, address
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self.draft_timeout = draft_timeout or None  # 0 = no bound per call (the probe still catches a stall)
+        self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
+        self.info: draft_pb2.GetDrafterInfoResponse | None = None  # None while the drafter is not SERVING
+        self.down_reason = "not probed yet"
+        self._streams: set[SessionStream] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DrafterLink:
+        self._thread = threading.Thread(target=self._run, name="drafter-probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.probe()
+            self._stop.wait(self.interval_s)
+
+    def probe(self) -> bool:
+        """One health check (and GetDrafterInfo when the drafter has come back); True while it is SERVING."""
+        try:
+            status = self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s).status
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                self._down(f"drafter {self.address} reports {name}")
+                return False
+            info = self.info or self.stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
+                                                         timeout=self.probe_timeout_s)
+        except grpc.RpcError as e:
+            self._down(f"drafter {self.address} unavailable ({e.code().name}: {e.details()})")
+            return False
+        with self._lock:
+            self.info, self.down_reason = info, ""
+        return True
+
+    def _down(self, reason: str) -> None:
+        with self._lock:
+            self.info, self.down_reason = None, reason
+            streams, self._streams = self._streams, set()
+        for s in streams:
+            s.close()
+
+    def open(self, stats: common_pb2.GenerationStats, stream_timeout: float | None, kind: int, budget: int,
+             kernel: int, proposer: int, adaptive: bool, verify_costs: Sequence[common_pb2.CostTable],
+             memory: PlannerMemory) -> SpeculationConfig | None:
+        """A draft stream for one request (no round trip); None, with the reason in stats, while the drafter is
+        down. Hand the stream back with `close`."""
+        with self._lock:
+            info = self.info
+            if info is None:
+                stats.fallback_reason = f"{self.down_reason}; target-only"
+                return None
+            stream = SessionStream(self.stub.DraftSession, stream_timeout)
+            self._streams.add(stream)
+        timeout = min((t for t in (self.draft_timeout, stream_timeout) if t), default=None)
+        return SpeculationConfig(drafter=stream, info=info, kind=kind, budget=budget, kernel=kernel,
+                                 proposer=proposer, adaptive=adaptive, timeout_s=timeout,
+                                 verify_costs=list(verify_costs), memory=memory)
+
+    def close(self, speculation: SpeculationConfig) -> None:
+        with self._lock:
+            self._streams.discard(speculation.drafter)
+        speculation.drafter.close()
