@@ -1,0 +1,226 @@
+"""The qwen35 hybrid target (Qwen3.5: Gated DeltaNet linear attention + gated full attention) vs transformers:
+HF directory and GGUF loading, logits, greedy decoding, captures, tree verification, commit, rollback, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_grpc.runtime.checkpoint import load_checkpoint
+from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.linear_attention import parents_from_mask
+from dspark_grpc.runtime.transformer import SequenceInput, Transformer
+from dspark_grpc.runtime.tree import ancestor_mask, path_to_root, tree_depths
+from qwen35_models import make_qwen35, write_qwen35_gguf
+from runtime_helpers import greedy_decode, hf_logits, random_tokens
+
+ATOL = 1e-4
+VOCAB = 512
+STEPS = 64
+# side branches at depths 1, 2 and 3, and a path of depth 5
+PARENTS = [-1, 0, 0, 1, 1, 3, 3, 5, 6, 0, 7, 2, 9]
+
+
+@pytest.fixture(scope="module", params=["every4", "every2", "mixed"])
+def layout(request, tmp_path_factory):
+    directory = make_qwen35(tmp_path_factory.mktemp(f"qwen35_{request.param}"), request.param, VOCAB, seed=3)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return request.param, directory, hf
+
+
+@pytest.fixture(scope="module")
+def ours(layout):
+    _, directory, _ = layout
+    return Transformer.from_checkpoint(load_checkpoint(directory, progress=False))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return random_tokens(n, seed, vocab_size=VOCAB)
+
+
+def test_config_and_layout(layout, ours):
+    name, _, hf = layout
+    c, h = ours.config, hf.config
+    assert c.architecture == "qwen35" and c.qk_norm and c.attention_output_gate
+    assert c.layer_types == tuple("attention" if t == "full_attention" else t for t in h.layer_types)
+    assert c.rotary_dim == int(h.head_dim * h.rope_parameters["partial_rotary_factor"]) < c.head_dim
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.linear_conv_kernel) == (h.linear_num_key_heads, h.linear_num_value_heads, h.linear_key_head_dim,
+                                      h.linear_value_head_dim, h.linear_conv_kernel_dim)
+    full = [i for i, t in enumerate(c.layer_types) if t == "attention"]
+    assert full == {"every4": [3], "every2": [1, 3], "mixed": [0, 3]}[name]
+    assert c.num_heads > c.num_kv_heads or c.linear_num_value_heads > c.linear_num_key_heads  # some GQA
+
+
+def test_prompt_logits_match_hf(layout, ours):
+    _, _, hf = layout
+    ids = tokens(40, seed=0)
+    expected, _ = hf_logits(hf, ids)
+    got = ours(torch.tensor(ids), torch.arange(len(ids)), ours.new_cache()).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_greedy_decode_matches_hf(layout, ours):
+    _, _, hf = layout
+    prompt = tokens(12, seed=1)
+    generated, step_logits = greedy_decode(ours, prompt, STEPS)
+    expected, _ = hf_logits(hf, prompt + generated[:-1])  # teacher-forced over our sequence
+    torch.testing.assert_close(step_logits, expected[len(prompt) - 1 :], atol=ATOL, rtol=0)
+    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt) :].tolist()  # HF's own recurrent decode
+    assert generated == reference
+    assert len(set(generated)) > 4  # not a constant output
+
+
+def test_hidden_state_captures_match_hf(layout, ours):
+    _, _, hf = layout
+    ids = tokens(20, seed=2)
+    _, out = hf_logits(hf, ids, output_hidden_states=True)
+    n = ours.config.num_layers
+    got = ours(torch.tensor(ids), torch.arange(len(ids)), ours.new_cache(), capture_layers=tuple(range(n))).captures
+    for layer in range(n - 1):
+        torch.testing.assert_close(got[:, layer], out.hidden_states[layer + 1][0], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(ours.norm(got[:, n - 1]), out.hidden_states[n][0], atol=ATOL, rtol=1e-5)
+
+
+def test_gguf_loads_the_same_model(layout, ours, tmp_path):
+    name, directory, hf = layout
+    if name == "mixed":
+        pytest.skip("GGUF's qwen35 keys say only 'every n-th layer is full attention'")
+    path = write_qwen35_gguf(directory, tmp_path / "tiny.gguf")
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.config.fingerprint() == ours.config.fingerprint()
+    assert ckpt.weights.keys() == ours.state_dict().keys()
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(ckpt.weights[key], value, atol=0, rtol=0, msg=key)
+    from_gguf = Transformer.from_checkpoint(ckpt)
+    ids = tokens(40, seed=4)
+    expected, _ = hf_logits(hf, ids)
+    got = from_gguf(torch.tensor(ids), torch.arange(len(ids)), from_gguf.new_cache()).logits
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert greedy_decode(from_gguf, ids[:8], STEPS)[0] == greedy_decode(ours, ids[:8], STEPS)[0]
+
+
+def test_tree_verify_gives_each_node_its_paths_logits(layout, ours):
+    _, _, hf = layout
+    prompt, tree = tokens(10, seed=5), tokens(len(PARENTS), seed=6)
+    cache = ours.new_cache()
+    prefill(ours, cache, prompt)
+    logits, captures = verify_tree(ours, cache, tree, PARENTS, capture_layers=(0, 1))
+    assert logits.shape == (len(PARENTS), VOCAB) and captures.shape == (len(PARENTS), 2, 64)
+    assert max(tree_depths(PARENTS)) == 5
+    for node in range(len(PARENTS)):
+        path = path_to_root(PARENTS, node)
+        expected, out = hf_logits(hf, prompt + [tree[i] for i in path], output_hidden_states=True)
+        torch.testing.assert_close(logits[node], expected[-1], atol=ATOL, rtol=0, msg=f"node {node}")
+        torch.testing.assert_close(captures[node, 1], out.hidden_states[2][0, -1], atol=ATOL, rtol=1e-5)
+
+
+def _ar(model: Transformer, cache, first: int, steps: int) -> tuple[list[int], torch.Tensor]:
+    out, rows = [first], []
+    for _ in range(steps):
+        logits, _ = verify_tree(model, cache, [out[-1]], [-1])
+        commit_path(cache, [0])
+        rows.append(logits[0])
+        out.append(int(logits[0].argmax()))
+    return out, torch.stack(rows)
+
+
+def test_commit_of_a_side_path_then_ar_equals_ar_from_scratch(ours):
+    prompt, tree = tokens(9, seed=7), tokens(len(PARENTS), seed=8)
+    cache = ours.new_cache()
+    prefill(ours, cache, prompt)
+    logits, _ = verify_tree(ours, cache, tree, PARENTS)
+    path = path_to_root(PARENTS, 8)  # 0 -> 1 -> 3 -> 6 -> 8: a side branch at depth 2
+    commit_path(cache, path)
+    assert cache.length == len(prompt) + len(path)
+    first = int(logits[path[-1]].argmax())
+    got, got_logits = _ar(ours, cache, first, 16)
+    fresh = ours.new_cache()
+    scratch_logits, _ = prefill(ours, fresh, prompt + [tree[i] for i in path])
+    assert int(scratch_logits.argmax()) == first
+    expected, expected_logits = _ar(ours, fresh, first, 16)
+    assert got == expected
+    torch.testing.assert_close(got_logits, expected_logits, atol=ATOL, rtol=0)
+
+
+def test_rollback_then_ar_equals_ar_from_scratch(ours):
+    prompt = tokens(11, seed=9)
+    cache = ours.new_cache()
+    logits, _ = prefill(ours, cache, prompt)
+    chain = [int(logits.argmax())] + tokens(5, seed=10)
+    verify_tree(ours, cache, chain, list(range(-1, 5)))
+    commit_path(cache, list(range(6)))  # a 6-token chain, accepted whole
+    sequence, _ = _ar(ours, cache, int(tokens(1, seed=11)[0]), 2)
+    full = prompt + chain + sequence[:-1]
+    assert cache.length == len(full)
+    for back in (6, 3):  # into the committed chain, then (after 10 AR steps) a recent length
+        length = cache.length - back
+        assert cache.can_rollback(length)
+        cache.rollback(length)
+        got, got_logits = _ar(ours, cache, full[length], 10)
+        fresh = ours.new_cache()
+        prefill(ours, fresh, full[:length])
+        expected, expected_logits = _ar(ours, fresh, full[length], 10)
+        assert got == expected
+        torch.testing.assert_close(got_logits, expected_logits, atol=ATOL, rtol=0)
+        full = full[:length] + got[:-1]
+    assert not cache.can_rollback(3)  # older than the kept snapshots: the engine recomputes from the tokens
+    with pytest.raises(ValueError, match="recompute"):
+        cache.rollback(3)
+    cache.rollback(0)
+    assert cache.length == 0 and all(not s.state.any() for s in cache.linear.values())
+
+
+def test_batched_sessions_equal_each_alone(ours):
+    prompts = [tokens(n, seed=20 + n) for n in (5, 17, 9)]
+    tree = tokens(len(PARENTS), seed=30)
+
+    def inputs(caches):
+        return [tree_input(caches[0], [prompts[0][-1]], [-1]),  # an AR step
+                tree_input(caches[1], tree, PARENTS, capture_layers=(0,)),  # a tree
+                SequenceInput(torch.tensor(tree[:6]), torch.arange(caches[2].length, caches[2].length + 6),
+                              caches[2], logits_rows=torch.tensor([2, 5]))]  # a prefill chunk
+
+    def fresh():
+        caches = [ours.new_cache() for _ in prompts]
+        for c, p in zip(caches, prompts, strict=True):
+            prefill(ours, c, p[:-1] if c is caches[0] else p)
+        return caches
+
+    together_caches, alone_caches = fresh(), fresh()
+    together = ours.forward_batch(inputs(together_caches))
+    alone = [ours.forward_batch([inp])[0] for inp in inputs(alone_caches)]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(together[1].captures, alone[1].captures, atol=ATOL, rtol=0)
+    # then commit in each and decode on, batched: the recurrent states stayed per session
+    for caches in (together_caches, alone_caches):
+        caches[0].commit([0])
+        caches[1].commit(path_to_root(PARENTS, 10))
+        caches[2].commit(range(6))
+    steps = [[1], [2], [3]]
+    for _ in range(8):
+        outs = ours.forward_batch([tree_input(c, [s[-1]], [-1]) for c, s in zip(together_caches, steps, strict=True)])
+        for c, s, o in zip(together_caches, steps, outs, strict=True):
+            c.commit([0])
+            s.append(int(o.logits[0].argmax()))
+    for c, s in zip(alone_caches, steps, strict=True):
+        assert _ar(ours, c, s[0], 8)[0] == s
+
+
+def test_linear_layers_refuse_masks_that_are_not_trees(ours):
+    assert parents_from_mask(ancestor_mask(PARENTS)) == PARENTS
+    skip = torch.ones(3, 3, dtype=torch.bool).tril()
+    skip[2, 0] = False  # row 2 sees its parent row 1 but not row 0, its grandparent
+    with pytest.raises(ValueError, match="tree mask"):
+        parents_from_mask(skip)
+    cache = ours.new_cache()
+    prefill(ours, cache, [1, 2, 3])
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[:, 0] = False  # hides a committed row
+    mask[0, 4] = False
+    with pytest.raises(ValueError, match="tree mask"):
+        ours(torch.tensor([4, 5]), torch.tensor([3, 4]), cache, mask=mask)
+    assert cache.length == 3 and cache.pending == 0
