@@ -302,7 +302,11 @@ class TargetEngine:
             raise InvalidArgument(f"rollback length must be in [1, {s.cache.length}], got {length}")
         with s.lock:
             s.cache.discard()
-            s.cache.rollback(length)
+            if s.cache.can_rollback(length):
+                s.cache.rollback(length)
+            else:  # a hybrid model's recurrent state older than its kept snapshots: recompute it from the tokens
+                s.cache.rollback(0)
+                prefill(self.model, s.cache, s.tokens[:length], forward=self._forward)
         s.pending_tree = None
         s.tokens = s.tokens[: length + 1]
         s.prompt_length = min(s.prompt_length, length)
