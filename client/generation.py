@@ -342,6 +342,8 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
 
 
 def _request_error(e: Exception) -> RequestError:
+    if isinstance(e, RequestError):
+        return e
     code = getattr(e, "code", None)
     return RequestError(code if isinstance(code, int) else 14, f"{type(e).__name__}: {e}")
 

@@ -83,10 +83,10 @@ class SessionStream:
             raise reply
         return reply
 
-    def close(self) -> None:
+    def close(self, reason: str = "the stream was closed") -> None:
         self._requests.put(None)
         self._responses.cancel()
-        self._replies.put(RequestError(1, "the stream was closed"))
+        self._replies.put(RequestError(1, reason))
 
 
 MODES = ("ar", "speculation", "adaptive")

@@ -72,7 +72,7 @@ class DrafterLink:
             self.info, self.down_reason = None, reason
             streams, self._streams = self._streams, set()
         for s in streams:
-            s.close()
+            s.close(f"dropped: {reason}")
 
     def open(self, stats: common_pb2.GenerationStats, stream_timeout: float | None, kind: int, budget: int,
              kernel: int, proposer: int, adaptive: bool, verify_costs: Sequence[common_pb2.CostTable],
