@@ -240,8 +240,10 @@ class StepPlanner:
             self.calibration = min(max(acc / pred, 0.02), 2.0) if pred > 0 else self.calibration
         relative = 1.0
         if self.costs is not None:
+            # >= 1: verifying rows never costs less than an AR step, though per-shape corrections measured on a
+            # noisy machine can say so (and then a drafter that is never right looked free)
             lanes = batch_sessions or self.lanes
-            relative = self.forward_seconds(rows, lanes) / self.forward_seconds(1, lanes)
+            relative = max(1.0, self.forward_seconds(rows, lanes) / self.forward_seconds(1, lanes))
         self.stats[arm].update(a, accepted, relative, draft_seconds, step_seconds)
 
     def finish(self) -> None:

@@ -49,6 +49,26 @@ def test_a_drafter_that_is_never_right_is_dropped_after_one_try_and_probed_ever_
     assert planner.switches and "AR" in planner.switches[0]
 
 
+def test_noise_that_makes_wide_verifies_look_cheaper_than_ar_does_not_keep_a_drafter_that_is_never_right():
+    # Measured forwards (the fake clock below) say 1 row takes 2x the table and 8 rows 0.5x: on a busy machine a
+    # 1-row step that met a stall. A drafter that never gets a token accepted must still lose to AR.
+    table = VerifyCosts(TABLES)
+
+    def measured(rows: int) -> float:
+        return table.seconds(1, rows) * (2.0 if rows == 1 else 0.5)
+
+    planner = StepPlanner([DSPARK], table, probe_every=8)
+    chosen = []
+    for step in range(1, 201):
+        arm = planner.choose(step)
+        chosen.append(arm)
+        rows, d = (8, 0.012) if arm == DSPARK else (1, 0.0)
+        planner.observe(arm, rows, 0, d, d + measured(rows), measured(rows), 1, rows)
+    assert planner.stats[DSPARK].relative_cost >= 1.0
+    assert chosen.count(DSPARK) <= 1 + 5  # the first try, then probes at 8, 16, 32, 64, 128-step intervals
+    assert chosen[-20:].count(AR) >= 19
+
+
 def test_a_drafter_that_pays_keeps_being_used():
     # 3 of 8 draft tokens accepted: 4 tokens per 75 + 5 ms vs 1 per 50 ms
     planner = StepPlanner([DSPARK], VerifyCosts(TABLES))
