@@ -1,0 +1,434 @@
+"""A seeded mutation fuzzer over every RPC and every session operation of both services: valid messages built from
+the live state (real session ids, pending tokens, lengths), then 0-3 field mutations to hostile values (range edges,
+NaN/inf, unknown enum numbers, huge repeated fields, other sessions' ids, switched oneofs), and raw protobuf bytes
+corrupted on the wire. Whatever is sent: no INTERNAL, UNKNOWN or UNAVAILABLE, no call past its deadline, both
+services SERVING afterwards with no session left, and a normal request afterwards identical to AR.
+
+>= 2,000 messages per run; `pytest --long` sends >= 50,000."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.tensor_codec import to_proto
+from google.protobuf.descriptor import FieldDescriptor as FD
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.reliability.conftest import Ops, Service, draft_args, health, live_sessions, service, wait_until
+
+SEED = 20261201
+MESSAGES, LONG_MESSAGES = 2_000, 50_000
+DEADLINE_S = 60.0  # a call that takes longer counts as a hang
+BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE,
+       grpc.StatusCode.DEADLINE_EXCEEDED}
+BAD_CODES = {c.value[0] for c in BAD}
+MAX_LENGTH = 48  # every session and Generate stays short: cheap forwards
+MAX_STREAM_SESSIONS = 5
+
+INT32 = [0, 1, -1, 2, 3, 7, 16, 17, 64, 255, 4096, 65535, 2**31 - 1, -2**31]
+INT64 = INT32 + [2**40, 2**63 - 1, -2**63]
+UINT32 = [0, 1, 2, 255, 2**32 - 1]
+UINT64 = UINT32 + [2**63, 2**64 - 1]
+FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-30, 1e-45, 1e30, 3.4e38, math.nan, math.inf, -math.inf]
+ENUMS = [0, 1, 2, 3, 4, -1, 99, 2**31 - 1]
+
+
+class Mutator:
+    def __init__(self, rng: random.Random, strings: Callable[[], list[str]]) -> None:
+        self.rng, self.strings = rng, strings
+
+    def scalar(self, f: FD):
+        r, t = self.rng, f.type
+        if t in (FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32):
+            return r.choice([*INT32, r.randint(-100, 100)])
+        if t in (FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64):
+            return r.choice([*INT64, r.randint(-100, 100)])
+        if t in (FD.TYPE_UINT32, FD.TYPE_FIXED32):
+            return r.choice([*UINT32, r.randint(0, 100)])
+        if t in (FD.TYPE_UINT64, FD.TYPE_FIXED64):
+            return r.choice([*UINT64, r.randint(0, 100)])
+        if t in (FD.TYPE_FLOAT, FD.TYPE_DOUBLE):
+            return r.choice([*FLOATS, r.uniform(-10, 10)])
+        if t == FD.TYPE_BOOL:
+            return r.random() < 0.5
+        if t == FD.TYPE_ENUM:
+            return r.choice(ENUMS)
+        if t == FD.TYPE_STRING:
+            return r.choice([*self.strings(), "", "x" * r.choice([1, 100, 5000]), "\x00\uffff\U0001f600 é",
+                             "".join(chr(r.randint(32, 0xD7FF)) for _ in range(r.randint(1, 50)))])
+        if t == FD.TYPE_BYTES:
+            return r.randbytes(r.choice([0, 1, 2, 3, 7, 64, 1000]))
+        raise AssertionError(f"unhandled field type {t}")
+
+    def mutate(self, msg: Message, depth: int = 0) -> None:
+        """One mutation somewhere in `msg` (possibly in a sub-message)."""
+        r = self.rng
+        if not msg.DESCRIPTOR.fields:
+            return
+        f = r.choice(msg.DESCRIPTOR.fields)
+        if f.is_repeated:
+            items = getattr(msg, f.name)
+            action = r.choice(["clear", "add", "many", "dup", "inner"])
+            if action == "clear":
+                del items[:]
+            elif f.message_type is not None:
+                if action == "inner" and len(items):
+                    self.mutate(r.choice(items), depth + 1)
+                else:
+                    for _ in range(r.choice([1, 3, 50])):
+                        sub = items.add()
+                        if depth < 4 and r.random() < 0.5:
+                            self.mutate(sub, depth + 1)
+            elif action == "dup" and len(items):
+                items.extend(list(items)[: 2000 - len(items)])
+            else:
+                for _ in range(r.choice([1, 2, 300, 2000]) if action == "many" else 1):
+                    self._try(lambda: items.append(self.scalar(f)))
+        elif f.message_type is not None:
+            if r.random() < 0.25 or depth >= 4:
+                msg.ClearField(f.name)
+            else:
+                sub = getattr(msg, f.name)
+                sub.SetInParent()
+                self.mutate(sub, depth + 1)
+        else:
+            self._try(lambda: setattr(msg, f.name, self.scalar(f)))
+
+    @staticmethod
+    def _try(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError, OverflowError):  # the Python protobuf refuses the value: nothing to send
+            pass
+
+    def corrupt(self, data: bytes) -> bytes:
+        r = self.rng
+        b = bytearray(data or b"\x08")
+        for _ in range(r.randint(1, 4)):
+            kind, i = r.randrange(4), r.randrange(len(b))
+            if kind == 0:
+                b[i] = r.randrange(256)
+            elif kind == 1:
+                del b[i:]
+                b = b or bytearray(b"\x0a")
+            elif kind == 2:
+                b[i:i] = r.randbytes(r.randint(1, 8))
+            else:
+                b[i:i] = bytes([r.choice([0x0A, 0x12, 0x1A, 0x22]), 0xFF, 0xFF, 0xFF, 0x7F])  # huge length
+        return bytes(b)
+
+
+@pytest.fixture(scope="module")
+def fuzz_drafter() -> Iterator[Service]:
+    with service("draft", [*draft_args(seed=7), "--max-message-bytes", str(4 << 20)]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(fuzz_drafter: Service) -> Iterator[Service]:
+    args = ["--drafter", fuzz_drafter.address, "--max-length", str(MAX_LENGTH), "--max-tree-nodes", "16",
+            "--max-sessions", "16", "--max-message-bytes", str(4 << 20)]
+    with service("target", args) as s:
+        yield s
+
+
+class Campaign:
+    """The fuzzer's state: streams, the sessions they hold, what it has learned, and what came back."""
+
+    def __init__(self, target: Service, drafter: Service, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        options = [("grpc.max_send_message_length", 8 << 20), ("grpc.max_receive_message_length", 8 << 20)]
+        self.t_channel = grpc.insecure_channel(target.address, options=options)
+        self.d_channel = grpc.insecure_channel(drafter.address, options=options)
+        self.t_stub = target_pb2_grpc.TargetServiceStub(self.t_channel)
+        self.d_stub = draft_pb2_grpc.DraftServiceStub(self.d_channel)
+        self.t_info = self.t_stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=DEADLINE_S)
+        self.d_info = self.d_stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=DEADLINE_S)
+        self.layers = list(self.d_info.target_layer_ids)
+        self.t_ops = self.d_ops = None
+        self.t_sessions: dict[str, dict] = {}  # sid -> {"pending": int | None, "length": int}
+        self.d_sessions: dict[str, int] = {}  # sid -> context length
+        self.foreign: list[str] = []  # ids of sessions of closed streams
+        self.codes: collections.Counter = collections.Counter()
+        self.failures: list[str] = []
+        self.slowest = 0.0
+        self.seconds: collections.Counter = collections.Counter()  # by kind of call
+        self.mutator = Mutator(self.rng, lambda: [*self.t_sessions, *self.d_sessions, *self.foreign[-4:]])
+        self.reopen()
+
+    def reopen(self) -> None:
+        for ops in (self.t_ops, self.d_ops):
+            if ops is not None:
+                ops.close()
+        self.foreign += [*self.t_sessions, *self.d_sessions]
+        self.t_sessions, self.d_sessions = {}, {}
+        self.t_ops = Ops(self.t_stub.TargetSession, target_pb2.TargetSessionRequest, timeout=DEADLINE_S)
+        self.d_ops = Ops(self.d_stub.DraftSession, draft_pb2.DraftSessionRequest, timeout=DEADLINE_S)
+
+    def close(self) -> None:
+        self.t_ops.close()
+        self.d_ops.close()
+        self.t_channel.close()
+        self.d_channel.close()
+
+    # -- recording ----------------------------------------------------------------------------------
+
+    def record(self, what: str, code: int, detail: str, seconds: float, request: Message | bytes) -> None:
+        self.codes[next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))] += 1
+        self.slowest = max(self.slowest, seconds)
+        self.seconds[what.split(" (")[0]] += seconds
+        if code in BAD_CODES or seconds > DEADLINE_S:
+            self.failures.append(f"{what}: code {code} after {seconds:.1f} s: {detail[:300]}\n  request: "
+                                 f"{str(request)[:600]!r}")
+
+    def session_op(self, ops: Ops, what: str, op: dict[str, Message]) -> Message | None:
+        name, body = next(iter(op.items()))
+        request = ops.request_type(request_id=ops.next_id + 1, **op)
+        if self.rng.random() < 0.8:
+            for _ in range(self.rng.choice([0, 1, 1, 2, 3])):
+                self.mutator.mutate(getattr(request, request.WhichOneof("op")) if request.WhichOneof("op") and
+                                    self.rng.random() < 0.9 else request)
+        ops.next_id += 1
+        t0 = time.monotonic()
+        try:
+            response = ops.stream.call(request, timeout=DEADLINE_S)
+        except Exception as e:  # noqa: BLE001 - the stream itself failed: recorded as the code it carries
+            self.record(what, getattr(e, "code", 2), str(e), time.monotonic() - t0, request)
+            self.reopen()
+            return None
+        self.record(what, response.status.code, response.status.message, time.monotonic() - t0, request)
+        return response
+
+    def unary(self, what: str, call: Callable, request) -> None:
+        t0 = time.monotonic()
+        code, detail = 0, ""
+        try:
+            result = call(request, timeout=DEADLINE_S)
+            if not isinstance(result, (Message, bytes)):
+                for _ in result:  # a server stream
+                    pass
+        except grpc.RpcError as e:
+            code, detail = e.code().value[0], e.details() or ""
+        self.record(what, code, detail, time.monotonic() - t0, request)
+
+    # -- target session ops ---------------------------------------------------------------------------
+
+    def pick(self, sessions: dict, want: Callable[[object], bool] = lambda s: True) -> str:
+        ids = [sid for sid, s in sessions.items() if want(s)] or list(sessions) or ["no-such-session"]
+        return self.rng.choice(ids)
+
+    def target_step(self) -> None:
+        r, s = self.rng, self.t_sessions
+        if len(s) > MAX_STREAM_SESSIONS:
+            sid = next(iter(s))
+            self.session_op(self.t_ops, "target release", dict(release=target_pb2.Release(session_id=sid)))
+            s.pop(sid, None)
+            return
+        kind = r.choice(["open", "prefill", "prefill", "verify", "verify", "verify", "commit", "rollback", "release"])
+        if kind == "open" or not s:
+            layers = r.choice([[], self.layers])
+            fp = self.t_info.fingerprint if r.random() < 0.7 else common_pb2.Fingerprint()
+            op = dict(open=target_pb2.OpenSession(capture_layer_ids=layers, drafter_target=fp,
+                                                  max_length=r.choice([0, 0, 24])))
+        elif kind == "prefill":
+            prompts = [common_pb2.Prompt(text=r.choice(["Hi", "The capital of France is", "def f(x):"])),
+                       common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
+                           common_pb2.ChatMessage(role="user", content="What is 2 + 2?")])),
+                       common_pb2.Prompt(tokens=common_pb2.TokenIds(ids=[r.randrange(49152) for _ in range(5)]))]
+            sampling = r.choice([common_pb2.SamplingParams(),
+                                 common_pb2.SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=r.randrange(99))])
+            op = dict(prefill=target_pb2.Prefill(session_id=self.pick(s, lambda x: x["pending"] is None),
+                                                 prompt=r.choice(prompts), sampling=sampling))
+        elif kind == "verify":
+            sid = self.pick(s, lambda x: x["pending"] is not None)
+            pending = s.get(sid, {}).get("pending") or 0
+            n = r.randint(0, 6)
+            parents = [-1] + [r.randrange(i) if r.random() < 0.3 else i - 1 for i in range(1, n + 1)]
+            tree = common_pb2.TokenTree(tokens=[pending] + [r.randrange(49152) for _ in range(n)], parents=parents)
+            if r.random() < 0.3 and n:  # a sampled chain's child distributions
+                k = r.choice([1, 4])
+                tree.parents[:] = list(range(-1, n))
+                ids = torch.randint(0, 49152, (n + 1, k), generator=self.gen, dtype=torch.int32)
+                lps = torch.randn(n + 1, k, generator=self.gen).log_softmax(-1)
+                tree.child_token_ids.CopyFrom(to_proto(ids))
+                tree.child_logprobs.CopyFrom(to_proto(lps))
+            op = dict(verify=target_pb2.Verify(session_id=sid, tree=tree, commit=r.random() < 0.7,
+                                               return_logits=r.choice([0, 1, 1, 2])))
+        elif kind == "commit":
+            op = dict(commit=target_pb2.Commit(session_id=self.pick(s), path=[0, 1][: r.randint(1, 2)],
+                                               next_token=r.randrange(49152)))
+        elif kind == "rollback":
+            sid = self.pick(s, lambda x: x["length"] > 1)
+            op = dict(rollback=target_pb2.Rollback(session_id=sid, length=r.randint(1, max(1, s.get(sid, {}).get(
+                "length", 1)))))
+        else:
+            op = dict(release=target_pb2.Release(session_id=self.pick(s)))
+        response = self.session_op(self.t_ops, f"target {kind}", op)
+        if response is None or response.status.code:
+            return
+        result = response.WhichOneof("result")
+        body = getattr(response, result)
+        sid = getattr(next(iter(op.values())), "session_id", "")
+        if result == "opened":
+            s[body.session_id] = {"pending": None, "length": 0}
+        elif result == "prefilled" and sid in s:
+            s[sid] = {"pending": body.next_token, "length": len(body.prompt_tokens)}
+        elif result == "verified" and sid in s and body.committed:
+            s[sid] = {"pending": body.next_token, "length": body.length}
+        elif result == "committed" and sid in s:
+            s[sid] = {"pending": op["commit"].next_token, "length": body.length}
+        elif result == "rolled_back" and sid in s:
+            s[sid] = {"pending": body.pending_token, "length": body.length}
+        elif result == "released":
+            s.pop(sid, None)
+
+    # -- draft session ops ----------------------------------------------------------------------------
+
+    def draft_step(self) -> None:
+        r, s = self.rng, self.d_sessions
+        if len(s) > MAX_STREAM_SESSIONS:
+            sid = next(iter(s))
+            self.session_op(self.d_ops, "draft release", dict(release=draft_pb2.ReleaseDraft(session_id=sid)))
+            s.pop(sid, None)
+            return
+        kind = r.choice(["open", "append", "append", "propose", "propose", "propose", "truncate", "release"])
+        if kind == "open" or not s:
+            op = dict(open=draft_pb2.OpenDraft(target=self.d_info.target, protocol_version=r.choice([0, 1])))
+        elif kind == "append":
+            sid = self.pick(s)
+            start, n = s.get(sid, 0), r.randint(1, 6)
+            rows = torch.randn(n, len(self.layers), self.t_info.hidden_size, generator=self.gen).to(torch.bfloat16)
+            capture = common_pb2.HiddenCapture(layer_ids=self.layers, start_position=start, rows=to_proto(rows))
+            op = dict(append=draft_pb2.AppendContext(session_id=sid, start_position=start, capture=capture,
+                                                     tokens=[r.randrange(49152) for _ in range(n)]))
+        elif kind == "propose":
+            sid = self.pick(s, lambda length: length > 0)
+            sampling = r.choice([common_pb2.SamplingParams(), common_pb2.SamplingParams(temperature=0.8, seed=3)])
+            op = dict(propose=draft_pb2.Propose(session_id=sid, anchor_token=r.randrange(49152),
+                                                anchor_position=s.get(sid, 0), kind=r.choice([0, 1, 2]),
+                                                budget=r.choice([0, 1, 4, 8]), proposer=r.choice([0, 1, 2, 3]),
+                                                kernel=r.choice([0, 2]), sampling=sampling))
+        elif kind == "truncate":
+            sid = self.pick(s)
+            op = dict(truncate=draft_pb2.TruncateContext(session_id=sid, length=r.randint(0, s.get(sid, 0))))
+        else:
+            op = dict(release=draft_pb2.ReleaseDraft(session_id=self.pick(s)))
+        response = self.session_op(self.d_ops, f"draft {kind}", op)
+        if response is None or response.status.code:
+            return
+        result = response.WhichOneof("result")
+        body = getattr(response, result)
+        sid = getattr(next(iter(op.values())), "session_id", "")
+        if result == "opened":
+            s[body.session_id] = 0
+        elif result in ("appended", "truncated") and sid in s:
+            s[sid] = body.length
+        elif result == "released":
+            s.pop(sid, None)
+
+    # -- unary RPCs, Generate, raw bytes ----------------------------------------------------------------
+
+    def generate_step(self) -> None:
+        r = self.rng
+        request = target_pb2.GenerateRequest(
+            prompt=common_pb2.Prompt(text=r.choice(["Hi", "Once upon a time"])), max_new_tokens=r.randint(1, 2),
+            mode=r.choice([0, 1, 2, 3]), proposal=r.choice([0, 1, 2]), stop=r.choice([[], ["."]]),
+            sampling=r.choice([common_pb2.SamplingParams(), common_pb2.SamplingParams(temperature=0.7, seed=5)]))
+        if r.random() < 0.8:
+            for _ in range(r.randint(1, 3)):
+                self.mutator.mutate(request)
+        if request.max_new_tokens > 3 or not request.HasField("max_new_tokens"):
+            request.max_new_tokens = 3  # keep each call cheap; any other value still goes as mutated
+        self.unary("Generate", self.t_stub.Generate, request)
+
+    def info_step(self) -> None:
+        r = self.rng
+        which = r.randrange(4)
+        if which == 0:
+            self.unary("GetModelInfo", self.t_stub.GetModelInfo, target_pb2.GetModelInfoRequest())
+        elif which == 1:
+            self.unary("GetDrafterInfo", self.d_stub.GetDrafterInfo, draft_pb2.GetDrafterInfoRequest())
+        else:
+            channel = r.choice([self.t_channel, self.d_channel])
+            request = health_pb2.HealthCheckRequest(service=r.choice(["", "dspark.v1.TargetService", "nope"]))
+            self.unary("Health.Check", health_pb2_grpc.HealthStub(channel).Check, request)
+
+    def raw_step(self) -> None:
+        """Valid messages' bytes, corrupted, to every RPC (session streams: a fresh stream each)."""
+        r = self.rng
+        target = [("/dspark.v1.TargetService/GetModelInfo", "unary_unary", target_pb2.GetModelInfoRequest()),
+                  ("/dspark.v1.TargetService/Generate", "unary_stream", target_pb2.GenerateRequest(
+                      prompt=common_pb2.Prompt(text="Hi"), max_new_tokens=1)),
+                  ("/dspark.v1.TargetService/TargetSession", "stream_stream", target_pb2.TargetSessionRequest(
+                      request_id=1, open=target_pb2.OpenSession()))]
+        draft = [("/dspark.v1.DraftService/GetDrafterInfo", "unary_unary", draft_pb2.GetDrafterInfoRequest()),
+                 ("/dspark.v1.DraftService/DraftSession", "stream_stream", draft_pb2.DraftSessionRequest(
+                     request_id=1, open=draft_pb2.OpenDraft(target=self.d_info.target)))]
+        channel, (method, shape, msg) = r.choice([(self.t_channel, x) for x in target] +
+                                                 [(self.d_channel, x) for x in draft])
+        data = self.mutator.corrupt(msg.SerializeToString())
+        call = getattr(channel, shape)(method)
+        self.unary(f"raw {method}", (lambda d, timeout: call(iter([d]), timeout=timeout)) if shape == "stream_stream"
+                   else call, data)
+
+    def step(self, i: int) -> None:
+        if i and i % 250 == 0:
+            self.reopen()  # streams that end release their sessions
+        x = self.rng.random()
+        if x < 0.44:
+            self.target_step()
+        elif x < 0.82:
+            self.draft_step()
+        elif x < 0.86:
+            self.generate_step()
+        elif x < 0.91:
+            self.info_step()
+        else:
+            self.raw_step()
+
+
+def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Service, request: pytest.FixtureRequest):
+    n = LONG_MESSAGES if request.config.getoption("--long") else MESSAGES
+    campaign = Campaign(fuzz_target, fuzz_drafter, SEED)
+    t0 = time.monotonic()
+    try:
+        for i in range(n):
+            campaign.step(i)
+    finally:
+        campaign.close()
+    seconds = time.monotonic() - t0
+    print(f"\nfuzz: {n} messages in {seconds:.0f} s (slowest call {campaign.slowest:.2f} s): "
+          f"{dict(campaign.codes.most_common())}; seconds by call: "
+          f"{ {k: round(v, 1) for k, v in campaign.seconds.most_common(6)} }")
+    assert sum(campaign.codes.values()) >= n
+    assert not campaign.failures, f"{len(campaign.failures)} bad replies:\n" + "\n".join(campaign.failures[:20])
+    assert campaign.codes["OK"] > n // 10 and campaign.codes["INVALID_ARGUMENT"] > n // 10  # it went both ways
+
+    for address in (fuzz_target.address, fuzz_drafter.address):
+        assert health(address) == health_pb2.HealthCheckResponse.SERVING
+    wait_until(lambda: live_sessions(fuzz_target.address, fuzz_drafter.address) == (0, 0), 30,
+               "every fuzzed session released once its stream ended")
+
+    # a normal request afterwards: speculation through the fuzzed drafter gives AR's tokens
+    with grpc.insecure_channel(fuzz_target.address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        outputs = {}
+        for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION):
+            request = target_pb2.GenerateRequest(prompt=common_pb2.Prompt(text="The capital of France is"),
+                                                 max_new_tokens=24, mode=mode, ignore_eos=True)
+            replies = list(stub.Generate(request, timeout=120))
+            outputs[mode] = [t for reply in replies for t in reply.token_ids]
+            stats = replies[-1].stats
+        assert len(outputs[common_pb2.DECODE_MODE_AR]) == 24
+        assert outputs[common_pb2.DECODE_MODE_SPECULATION] == outputs[common_pb2.DECODE_MODE_AR]
+        assert stats.fallback_reason == "", stats  # it did speculate
