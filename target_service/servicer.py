@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,15 +10,29 @@ import grpc
 import torch
 from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
 from dspark_grpc.client.planner import PlannerMemory
-from dspark_grpc.client.sdk import make_channel, open_speculation
-from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from dspark_grpc.client.sdk import ChannelSecurity, make_channel
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
 from dspark_grpc.runtime.sampling import SamplingParams
-from dspark_grpc.runtime.serving import run_session_op, session_stream, status_code
+from dspark_grpc.runtime.security import principal_of
+from dspark_grpc.runtime.serving import check_enum, log_refusal, run_session_op, session_stream, status_code
+from dspark_grpc.runtime.sessions import Owner
 from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
+from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# A text prompt is refused before tokenizing when it is longer than this many bytes per token of the context: a
+# token of a byte-level BPE rarely spans more than a few bytes, so this only catches what could never fit.
+MAX_PROMPT_BYTES_PER_TOKEN = 32
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # each; the stop-string check runs per token over the held-back text
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -30,17 +43,38 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"sampling: {e}") from e
 
 
-def prompt_from_proto(msg: common_pb2.Prompt) -> Prompt:
+def prompt_from_proto(msg: common_pb2.Prompt, max_tokens: int) -> Prompt:
+    """Sizes are checked before any work: a prompt that could never fit `max_tokens` is not tokenized."""
     kind = msg.WhichOneof("kind")
+    max_bytes = max_tokens * MAX_PROMPT_BYTES_PER_TOKEN
     if kind == "text":
+        _check_prompt_bytes(len(msg.text), max_bytes, max_tokens)  # chars <= bytes: no encoding needed
         return msg.text
     if kind == "chat":
         if not msg.chat.messages:
             raise InvalidArgument("prompt.chat has no messages")
+        _check_prompt_bytes(sum(len(m.role) + len(m.content) for m in msg.chat.messages), max_bytes, max_tokens)
         return [{"role": m.role, "content": m.content} for m in msg.chat.messages]
     if kind == "tokens":
+        if len(msg.tokens.ids) >= max_tokens:
+            raise InvalidArgument(f"the prompt has {len(msg.tokens.ids)} tokens; this target holds at most "
+                                  f"{max_tokens - 1} prompt tokens")
         return list(msg.tokens.ids)
     raise InvalidArgument("the prompt is missing: set prompt.text, prompt.chat or prompt.tokens")
+
+
+def _check_prompt_bytes(n: int, max_bytes: int, max_tokens: int) -> None:
+    if n > max_bytes:
+        raise InvalidArgument(f"the prompt has {n} characters; this target takes at most {max_bytes} "
+                              f"({max_tokens} tokens of context)")
+
+
+def check_stop(stop) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    long = [len(x) for x in stop if len(x) > MAX_STOP_CHARS]
+    if long:
+        raise InvalidArgument(f"a stop string has {long[0]} characters; at most {MAX_STOP_CHARS} each")
 
 
 def capture_to_proto(layers: tuple[int, ...], start: int, rows: torch.Tensor | None) -> common_pb2.HiddenCapture | None:
@@ -57,16 +91,20 @@ def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
                  default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
-                 executor: ThreadPoolExecutor | None = None, max_sessions: int = 16) -> None:
+                 executor: ThreadPoolExecutor | None = None, max_sessions: int = 16,
+                 drafter_security: ChannelSecurity | None = None) -> None:
         self.engine: TargetEngine | None = None  # set once the model is loaded
         self.max_message_bytes = max_message_bytes
+        # what a reply may carry in captures or logits, leaving room for its other fields
+        self.max_reply_bytes = max_message_bytes - min(1 << 20, max_message_bytes // 8)
         # Callers wait in these threads while their step runs in a batched forward: enough for every session.
         self.executor = executor or ThreadPoolExecutor(max_workers=max(8, max_sessions + 4),
                                                        thread_name_prefix="target")
         self.drafter_address = drafter_address
-        self.draft_stub = draft_pb2_grpc.DraftServiceStub(make_channel(drafter_address)) if drafter_address else None
+        self.drafter = DrafterLink(make_channel(drafter_address, drafter_security), drafter_address,
+                                   draft_timeout).start() \
+            if drafter_address else None
         self.default_mode = default_mode
-        self.draft_timeout = draft_timeout
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
         self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across Generate requests
 
@@ -97,7 +135,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -- session stream -----------------------------------------------------------------------------
 
     async def TargetSession(self, request_iterator, context):
-        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner):
+        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner,
+                                             principal_of(context)):
             yield response
 
     def _release_owner(self, owner: object) -> None:
@@ -110,6 +149,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _dispatch(self, request: target_pb2.TargetSessionRequest, owner: object) -> dict:
         engine = self.ready_engine()
         op = request.WhichOneof("op")
+        if op not in (None, "open"):  # a session belongs to the stream that opened it
+            engine.sessions.get(getattr(request, op).session_id, owner)
         if op == "open":
             m = request.open
             drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
@@ -119,7 +160,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])))
         if op == "prefill":
             m = request.prefill
-            out = engine.prefill(m.session_id, prompt_from_proto(m.prompt), sampling_from_proto(m.sampling))
+            out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
+                                 sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
             layers = engine.sessions.get(m.session_id).capture_layers
             return dict(prefilled=target_pb2.Prefilled(
                 prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text,
@@ -129,10 +171,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if not m.HasField("tree"):
                 raise InvalidArgument("verify.tree is missing")
             draft_ids, draft_logprobs = _check_tree_tensors(m.tree)
+            check_enum(target_pb2.LogitsReturn, m.return_logits, "verify.return_logits")
             want_logits = m.return_logits == target_pb2.LOGITS_RETURN_ALL
+            logit_bytes = len(m.tree.tokens) * engine.model.config.vocab_size * 4
+            if want_logits and logit_bytes > self.max_reply_bytes:
+                raise ResourceExhausted(f"the logits of {len(m.tree.tokens)} nodes are {logit_bytes} bytes, over this "
+                                        f"service's reply limit of {self.max_reply_bytes} (--max-message-bytes "
+                                        f"{self.max_message_bytes}); verify fewer nodes or without logits")
             t0 = time.perf_counter()
             out = engine.verify(m.session_id, list(m.tree.tokens), list(m.tree.parents), m.commit, want_logits,
-                                draft_ids, draft_logprobs)
+                                draft_ids, draft_logprobs, max_capture_bytes=self.max_reply_bytes)
             fields = dict(accepted_path=out.path, next_token=out.next_token, committed=out.committed is not None,
                           compute_seconds=time.perf_counter() - t0, batch_sessions=out.batch.jobs,
                           batch_rows=out.batch.rows,
@@ -159,7 +207,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             engine = self.ready_engine()
             sampling_from_proto(request.sampling)  # validate before any work
-            prompt_from_proto(request.prompt)
+            prompt_from_proto(request.prompt, engine.max_length)
+            check_stop(request.stop)
+            check_enum(common_pb2.DecodeMode, request.mode, "mode")
+            check_enum(draft_pb2.ProposalKind, request.proposal, "proposal")
+            check_enum(draft_pb2.KernelChoice, request.kernel, "kernel")
+            check_enum(draft_pb2.Proposer, request.proposer, "proposer")
+            if request.budget < 0:
+                raise InvalidArgument(f"budget must be >= 0 (0 = the drafter's default), got {request.budget}")
             if request.HasField("max_new_tokens") and request.max_new_tokens < 1:
                 raise InvalidArgument(f"max_new_tokens must be >= 1 (leave it unset for {DEFAULT_MAX_NEW_TOKENS}), "
                                       f"got {request.max_new_tokens}")
@@ -167,24 +222,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise FailedPrecondition("mode SPECULATION needs a drafter; start the target with --drafter ADDRESS "
                                          "or ask for mode AR")
         except ServiceError as e:
+            log_refusal("Generate", e)
             await context.abort(grpc.StatusCode[e.code_name], e.message)
         max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
         stats = common_pb2.GenerationStats()
-        owner = object()
+        owner = Owner(principal_of(context))
         loop = asyncio.get_running_loop()
         speculation = None
         mode = request.mode or self.default_mode
         if mode != common_pb2.DECODE_MODE_AR:
-            if self.draft_stub is None:
+            if self.drafter is None:
                 stats.fallback_reason = "no drafter configured (start the target with --drafter ADDRESS)"
             else:
-                kind = request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
-                speculation = await loop.run_in_executor(self.executor, functools.partial(
-                    open_speculation, self.draft_stub, kind, request.budget, request.kernel, context.time_remaining(),
-                    self.draft_timeout, stats, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE,
-                    verify_costs=[t.to_proto() for t in engine.cost_tables], memory=self.planner_memory))
+                speculation = self.drafter.open(
+                    stats, context.time_remaining(), request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN, request.budget,
+                    request.kernel, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE,
+                    verify_costs=[t.to_proto() for t in engine.cost_tables], memory=self.planner_memory)
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
         step = None
@@ -213,7 +268,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     pass
             await loop.run_in_executor(self.executor, deltas.close)
             if speculation is not None:
-                speculation.drafter.close()
+                self.drafter.close(speculation)
             engine.release_owner(owner)
 
 
@@ -221,18 +276,20 @@ def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None
     """Validates the optional tensors of a tree; returns the child distributions (ids, log-probs) if both are sent."""
     n = len(tree.tokens)
     tensors = {}
-    for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
+    for name, dims in (("node_logprobs", 1), ("child_token_ids", 2), ("child_logprobs", 2)):
         if tree.HasField(name):
             t = tensors[name] = from_proto(getattr(tree, name), f"tree.{name}")
-            if t.dim() == 0 or t.shape[0] != n:
-                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; its first dimension must be the "
-                                      f"number of nodes ({n})")
+            if t.dim() != dims or t.shape[0] != n:
+                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; it must be [nodes ({n})"
+                                      f"{', k' if dims == 2 else ''}]")
     ids, lps = tensors.get("child_token_ids"), tensors.get("child_logprobs")
     if (ids is None) != (lps is None):
         raise InvalidArgument("send tree.child_token_ids and tree.child_logprobs together")
-    if ids is not None and (ids.shape != lps.shape or ids.dim() != 2 or ids.is_floating_point()):
+    if ids is not None and (ids.shape != lps.shape or ids.shape[1] < 1 or ids.is_floating_point()
+                            or not lps.is_floating_point()):
         raise InvalidArgument(f"tree.child_token_ids {list(ids.shape)} ({ids.dtype}) and tree.child_logprobs "
-                              f"{list(lps.shape)} must be [nodes, k] integer ids and log-probs")
+                              f"{list(lps.shape)} ({lps.dtype}) must be [nodes, k >= 1] integer ids and float "
+                              "log-probs")
     return ids, lps
 
 
