@@ -1,16 +1,18 @@
 """The asyncio SDK: the same generation as TargetClient, awaitable, without blocking the event loop.
 
 Each step of the (synchronous, gRPC-stream driven) generation loop runs in a worker thread, so many requests can
-be in flight from one event loop.
+be in flight from one event loop. Cancelling a request (task.cancel(), asyncio.wait_for / timeout) closes its
+session streams at once: the step under way fails fast, the servers free the sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
-from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, TargetClient
-from dspark_grpc.protos.dspark.v1 import draft_pb2, target_pb2
+from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, SessionStream, TargetClient
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 
 
 class AsyncTargetClient:
@@ -38,25 +40,37 @@ class AsyncTargetClient:
         return await asyncio.to_thread(self._client.drafter_info)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        return await asyncio.to_thread(self._client.generate, prompt, **kwargs)
+        stats = common_pb2.GenerationStats()
+        text, ids, finish = [], [], None
+        async for t, toks, reason in self.stream(prompt, stats=stats, **kwargs):
+            finish = reason
+            text.append(t)
+            ids.extend(toks)
+        return GenerationResult("".join(text), ids, finish or "", stats)
 
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[tuple[str, list[int], str | None]]:
         """Yields (text, token_ids, finish_reason or None) as tokens are committed; leaving early (break,
         cancellation) ends the request and frees its sessions."""
-        steps = self._client.stream(prompt, **kwargs)
+        opened: list[SessionStream] = []
+        steps = self._client.stream(prompt, _streams=opened, **kwargs)
+        # one thread per request runs its steps; its own future tells whether a step is still running after the
+        # awaiting task was cancelled (the asyncio wrapper is cancelled at once, the thread is not)
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-aio")
         step = None
         try:
             while True:
-                step = asyncio.ensure_future(asyncio.to_thread(next, steps, None))
-                item = await step
-                step = None
+                step = worker.submit(next, steps, None)
+                item = await asyncio.wrap_future(step)
                 if item is None:
                     return
                 yield item
         finally:
-            if step is not None:  # cancelled mid-step: the step finishes in its thread before the stream closes
+            if step is not None and not step.done():  # cancelled mid-step: end its streams, so it fails now
+                for s in list(opened):
+                    s.close("the request was cancelled")
                 try:
-                    await asyncio.shield(step)
-                except BaseException:  # noqa: BLE001
+                    await asyncio.shield(asyncio.wrap_future(step))
+                except BaseException:  # noqa: BLE001 - the step's error is the cancellation's consequence
                     pass
-            await asyncio.to_thread(steps.close)
+            await asyncio.wrap_future(worker.submit(steps.close))
+            worker.shutdown(wait=False)

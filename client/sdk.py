@@ -232,9 +232,11 @@ class TargetClient:
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | tuple = (),
                ignore_eos: bool = False, mode: str | None = None, proposal: str | None = None,
                budget: int | None = None, kernel: str | None = None, proposer: str | None = None,
-               stats: common_pb2.GenerationStats | None = None) -> Iterator[tuple[str, list[int], str | None]]:
+               stats: common_pb2.GenerationStats | None = None, _streams: list[SessionStream] | None = None
+               ) -> Iterator[tuple[str, list[int], str | None]]:
         """Yields (text, token_ids, finish_reason or None) as tokens are committed. mode/proposal/budget/kernel/
-        proposer override the client's defaults for this request."""
+        proposer override the client's defaults for this request. (`_streams` receives the session streams it
+        opens, so that another thread can close them: the asyncio client's cancellation.)"""
         chosen = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         options = {**self.defaults, **{k: v for k, v in chosen.items() if v is not None}}
         _check_options(**options)
@@ -243,24 +245,25 @@ class TargetClient:
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop),
                                   ignore_eos=ignore_eos)
-        streams = [SessionStream(self._stub.TargetSession, self.timeout)]
-        speculation = None
-        if options["mode"] != "ar":
-            if self._draft_stub is None:
-                if options["mode"] == "speculation":
-                    raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
-                stats.fallback_reason = "no drafter configured"
-            else:
-                draft_timeout = min((t for t in (self.draft_timeout, self.timeout) if t), default=None)
-                speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
-                                               KERNELS[options["kernel"]], self.timeout, draft_timeout, stats,
-                                               PROPOSERS[options["proposer"]],
-                                               adaptive=options["mode"] == "adaptive",
-                                               verify_costs=self.model_info().verify_costs,
-                                               memory=self.planner_memory)
-                if speculation is not None:
-                    streams.append(speculation.drafter)
+        if options["mode"] == "speculation" and self._draft_stub is None:
+            raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
+        streams = _streams if _streams is not None else []
+        streams.append(SessionStream(self._stub.TargetSession, self.timeout))
         try:
+            speculation = None
+            if options["mode"] != "ar":
+                if self._draft_stub is None:
+                    stats.fallback_reason = "no drafter configured"
+                else:
+                    draft_timeout = min((t for t in (self.draft_timeout, self.timeout) if t), default=None)
+                    speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
+                                                   KERNELS[options["kernel"]], self.timeout, draft_timeout, stats,
+                                                   PROPOSERS[options["proposer"]],
+                                                   adaptive=options["mode"] == "adaptive",
+                                                   verify_costs=self.model_info().verify_costs,
+                                                   memory=self.planner_memory)
+                    if speculation is not None:
+                        streams.append(speculation.drafter)
             for d in generate_deltas(streams[0], make_prompt(prompt, messages, tokens), config, eos, stats,
                                      speculation):
                 yield d.text, d.token_ids, _FINISH[d.finish_reason] if d.finish_reason else None

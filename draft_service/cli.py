@@ -71,9 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions)
     metrics = None
     if args.metrics_port is not None:
-        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
+        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics, live_sessions_gauge
 
         metrics = DraftServiceMetrics()
+        live_sessions_gauge(metrics.registry, "draft",
+                            lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)
         server = metrics.serve(args.metrics_port, addr=args.host)
         print(f"[dspark-draft] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,

@@ -8,12 +8,16 @@
   kind (chain, tree): `<p>:draft_proposals_total`, `<p>:draft_proposed_tokens_total` (nodes below the root)
   and the histogram `<p>:draft_proposal_seconds` (compute time of the proposal, waiting for its pass included).
 
+- `live_sessions_gauge(registry, service, count)`: `<p>:<service>_live_sessions`, the sessions open now (read at
+  each scrape), on the target ("target") and the draft service ("draft").
+
 Each instance has its own CollectorRegistry (or shares one passed in, e.g. a SpecDecodeMetrics' registry, so one
 /metrics endpoint serves both). prometheus-client is imported only when an instance is built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dspark_grpc.client.metrics import SECONDS_BUCKETS, TOKEN_BUCKETS, _prometheus, start_metrics_server
@@ -34,6 +38,11 @@ class _Metrics:
         """Serve this registry at http://addr:port/metrics (0 = a free port: the returned server's
         `server_port`)."""
         return start_metrics_server(port, addr, self.registry)
+
+
+def live_sessions_gauge(registry: Any, service: str, count: Callable[[], int], prefix: str = "dspark") -> None:
+    _prometheus().Gauge(f"{prefix}:{service}_live_sessions", f"Sessions open now on the {service} service.",
+                        registry=registry).set_function(count)
 
 
 class ForwardMetrics(_Metrics):

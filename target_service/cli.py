@@ -40,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) at "
                         "http://HOST:PORT/metrics; 0 picks a free port")
     s.add_argument("--draft-timeout", type=float, default=10.0,
-                   help="seconds a drafter call may take before the request finishes target-only")
+                   help="seconds a drafter call may take before the request finishes target-only; 0 = no bound "
+                        "(a drafter that fails its health probe, checked every 0.5 s, is dropped either way)")
     s.add_argument("--max-batch-rows", type=int, default=1024,
                    help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
     s.add_argument("--drafter-tls-ca", default=None, metavar="PEM",
@@ -75,10 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.client.metrics import SpecDecodeMetrics
-        from dspark_grpc.runtime.service_metrics import ForwardMetrics
+        from dspark_grpc.runtime.service_metrics import ForwardMetrics, live_sessions_gauge
 
         servicer.metrics = SpecDecodeMetrics()
         forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
+        live_sessions_gauge(servicer.metrics.registry, "target",
+                            lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)
 
         def observe_forward(info) -> None:
             forwards.observe_forward(info.jobs, info.rows, info.seconds)
