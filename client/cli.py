@@ -11,7 +11,16 @@ from pathlib import Path
 
 from dspark_grpc.client.generation import RequestError
 from dspark_grpc.client.local_stack import ServiceExited, local_target, stop_on_signals
-from dspark_grpc.client.sdk import DEFAULT_TARGET, KERNELS, MODES, PROPOSALS, PROPOSERS, TargetClient
+from dspark_grpc.client.sdk import (
+    DEFAULT_TARGET,
+    KERNELS,
+    MODES,
+    PROPOSALS,
+    PROPOSERS,
+    ChannelSecurity,
+    TargetClient,
+    make_channel,
+)
 from google.protobuf.json_format import MessageToDict
 
 from dspark_grpc.cli_common import (
@@ -103,11 +112,30 @@ def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | No
     return ids, stats.generated_tokens / wall, stats.acceptance_length
 
 
-def health_check(address: str, service: str = "", timeout: float = 5.0) -> bool:
+def _security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="talk TLS, trusting this CA (the services' --tls-cert was signed by it)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (services with --tls-client-ca)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="bearer token for services started with --auth-token-file (the file's first token)")
+
+
+def _security(p: argparse.ArgumentParser, args: argparse.Namespace) -> ChannelSecurity | None:
+    if not any((args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)):
+        return None
+    try:
+        return ChannelSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+
+
+def health_check(address: str, service: str = "", timeout: float = 5.0,
+                 security: ChannelSecurity | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with make_channel(address, security) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -167,6 +195,7 @@ def parser() -> OneLineParser:
                    help="ar = target only; speculation = draft every step (needs --drafter); adaptive = speculate "
                         "when a drafter is given. Default: adaptive with --drafter, ar without")
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
+    _security_args(g)
     _generation_args(g)
     _speculation_args(g)
     b = sub.add_parser("bench", help="AR vs speculative decoding side by side on a prompt file; JSON + table",
@@ -210,6 +239,7 @@ def parser() -> OneLineParser:
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     h.add_argument("address", nargs="?", default=DEFAULT_TARGET)
     h.add_argument("--service", default="", help="service name; empty = the whole server")
+    _security_args(h)
     p.commands = {"generate": g, "bench": b, "demo": d, "health": h}
     return p
 
@@ -220,7 +250,8 @@ def _main(argv: list[str] | None) -> None:
     g, b = p.commands["generate"], p.commands["bench"]
 
     if args.command == "health":
-        sys.exit(0 if health_check(args.address, args.service) else 1)
+        sys.exit(0 if health_check(args.address, args.service, security=_security(p.commands["health"], args))
+                 else 1)
 
     if args.command == "generate":
         if args.prompt is not None and args.messages is not None:
@@ -233,7 +264,8 @@ def _main(argv: list[str] | None) -> None:
             g.error("--mode speculation needs --drafter ADDRESS")
         try:
             client = TargetClient(args.target, drafter=args.drafter, mode=mode, proposal=args.proposal,
-                                  budget=args.budget, kernel=args.kernel, proposer=args.proposer)
+                                  budget=args.budget, kernel=args.kernel, proposer=args.proposer,
+                                  security=_security(g, args))
         except ValueError as e:
             g.error(str(e))
         with client:

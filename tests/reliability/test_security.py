@@ -6,8 +6,10 @@ without a token, and a session belongs to the principal (token) that opened it. 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +56,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_cert(d, "rogue", "rogue-ca", "dspark-target")
     (d / "target-tokens").write_text(f"# principals of the target\n{ALICE}\n{BOB}\n")
     (d / "drafter-tokens").write_text(f"{TARGET_TOKEN}\n")
+    (d / "alice-token").write_text(f"{ALICE}\n")
     return d
 
 
@@ -192,3 +195,18 @@ def test_a_non_loopback_bind_without_protection_is_flagged():
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
     assert not ServerSecurity().protected
     assert ServerSecurity(tokens=frozenset({"t"})).protected and ServerSecurity(cert_chain=b"pem").protected
+
+
+def test_the_cli_takes_the_same_options(pki: Path, target: str):
+    def dspark(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dspark_grpc.client.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    tls = ["--tls-ca", str(pki / "ca.pem")]
+    assert dspark("health", target, *tls).returncode == 0  # probes need no token
+    out = dspark("generate", "The capital of France is", "--target", target, "--max-new-tokens", "4", "--json", *tls,
+                 "--auth-token-file", str(pki / "alice-token"))
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 4
+    refused = dspark("generate", "Hi", "--target", target, "--max-new-tokens", "4", *tls)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
