@@ -214,12 +214,13 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float, extrapolate
 # -- cache ------------------------------------------------------------------------------------------
 
 
-def load_or_profile(path_dir: str | Path | None, key: CostKey, profile_fn: Callable[[], CostTable]) -> CostTable:
+def load_or_profile(path_dir: str | Path | None, key: CostKey, profile_fn: Callable[[], CostTable],
+                    refresh: bool = False) -> CostTable:
     """The table for `key`: read from `path_dir` if an earlier start saved it, else `profile_fn()` (saved
     there for the next start). path_dir None: always profile, save nothing. An unreadable or stale file
-    (another format, another key) is profiled again and overwritten."""
+    (another format, another key), or any file when `refresh`, is profiled again and overwritten."""
     path = Path(path_dir) / key.file_name() if path_dir is not None else None
-    if path is not None and path.exists():
+    if path is not None and path.exists() and not refresh:
         try:
             table = CostTable.load(path)
             if table.key == key:
@@ -232,6 +233,33 @@ def load_or_profile(path_dir: str | Path | None, key: CostKey, profile_fn: Calla
     if path is not None:
         table.save(path)
     return table
+
+
+def lanes_problem(tables: Sequence[CostTable], noise: float = 0.1) -> str | None:
+    """Why per-lane tables of one target contradict each other, or None: a forward of more sessions must not be
+    cheaper than one of fewer with the same rows each (beyond `noise`), as in a table profiled while the machine
+    was busy for the first lane counts and idle for the last."""
+    ordered = sorted(tables, key=lambda t: t.key.lanes)
+    for fewer, more in zip(ordered, ordered[1:], strict=False):
+        for size in fewer.sizes:
+            a, b = fewer.profiled(size), more.profiled(size)
+            if b < a * (1.0 - noise):
+                return (f"{more.key.lanes} sessions x {size} rows cost {b * 1e3:.1f} ms but {fewer.key.lanes} "
+                        f"x {size} cost {a * 1e3:.1f} ms")
+    return None
+
+
+def spot_check_problem(table: CostTable, measured_seconds: float, factor: float = 1.6) -> str | None:
+    """Why `table` does not describe this machine now, or None: its smallest forward is more than `factor` off a
+    fresh measurement of that forward."""
+    expected = table.profiled(table.sizes[0])
+    if expected <= 0 or measured_seconds <= 0:
+        return None
+    ratio = measured_seconds / expected
+    if 1.0 / factor <= ratio <= factor:
+        return None
+    return (f"a {table.sizes[0]}-row forward of {table.key.lanes} session(s) measures {measured_seconds * 1e3:.1f} "
+            f"ms now, the table says {expected * 1e3:.1f} ms")
 
 
 def default_cache_dir() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import platform
 import statistics
 import time
@@ -10,12 +11,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from dspark_grpc.client.cost_table import DEFAULT_SIZES, CostKey, CostTable, load_or_profile
+from dspark_grpc.client.cost_table import (
+    DEFAULT_SIZES,
+    CostKey,
+    CostTable,
+    lanes_problem,
+    load_or_profile,
+    spot_check_problem,
+)
 
 from .linear import matmul_kind
 
 if TYPE_CHECKING:
     from .transformer import Transformer
+
+log = logging.getLogger("dspark.cost")
+
 
 def device_name(device: torch.device | str) -> str:
     """The device as a cache key: type and index plus the hardware model (a table from another GPU or CPU
@@ -130,17 +141,53 @@ def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, rep
 
 def target_cost_tables(model: Transformer, cache_dir: str | Path | None, lanes: Sequence[int] = (1, 2, 4, 8),
                        sizes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 3, max_seconds: float = 4.0,
-                       progress: Callable[[str], None] | None = None) -> list[CostTable]:
-    """One table per lane count, each loaded from `cache_dir` when an earlier start profiled it."""
-    tables = []
-    for n in lanes:
-        def profile(n: int = n) -> CostTable:
-            if progress:
-                progress(f"profiling target forwards: {n} session(s) x {list(sizes)} rows")
-            return profile_target(model, sizes, repeats=repeats, lanes=n, max_seconds=max_seconds)
+                       progress: Callable[[str], None] | None = None,
+                       spot_check: Callable[[], float] | None = None) -> list[CostTable]:
+    """One table per lane count, each loaded from `cache_dir` when an earlier start profiled it.
 
-        tables.append(load_or_profile(cache_dir, target_key(model, lanes=n), profile))
+    Cached tables are checked first: tables that are not monotone in sessions, or whose 1-session 1-row forward is
+    far from `spot_check()` (seconds of that forward measured now; default: a quick timing of the model), are
+    profiled again and overwritten, with one line through `progress` saying why. Fresh tables that are still not
+    monotone in sessions are made so (a running max over lane counts), also said in one line."""
+    say = progress or log.warning  # a table's problem is said even when progress is not
+    keys = [target_key(model, lanes=n) for n in lanes]
+    fresh: set[int] = set()
+
+    def profile(n: int) -> CostTable:
+        fresh.add(n)
+        if progress:
+            progress(f"profiling target forwards: {n} session(s) x {list(sizes)} rows")
+        return profile_target(model, sizes, repeats=repeats, lanes=n, max_seconds=max_seconds)
+
+    tables = [load_or_profile(cache_dir, key, lambda n=key.lanes: profile(n)) for key in keys]
+    if len(fresh) < len(tables):  # some came from the cache: do they still describe this machine?
+        if spot_check is None:
+            def spot_check() -> float:
+                return profile_target(model, [1], repeats=5, lanes=1, max_seconds=2.0).seconds[0]
+        problem = lanes_problem(tables) or spot_check_problem(tables[0], spot_check())
+        if problem:
+            say(f"the cached cost tables in {cache_dir} look wrong ({problem}): profiling again")
+            fresh.clear()
+            tables = [load_or_profile(cache_dir, key, lambda n=key.lanes: profile(n), refresh=True) for key in keys]
+    problem = lanes_problem(tables)
+    if problem:
+        say(f"the cost tables are not monotone in sessions ({problem}; was the machine busy?): using the running "
+            "max over session counts")
+        tables = _monotone_in_lanes(tables)
+        for t in tables:
+            if cache_dir is not None:
+                t.save(Path(cache_dir) / t.key.file_name())
     return tables
+
+
+def _monotone_in_lanes(tables: list[CostTable]) -> list[CostTable]:
+    out, floor = [], None
+    for t in sorted(tables, key=lambda t: t.key.lanes):
+        seconds = list(t.seconds) if floor is None else [max(s, floor.profiled(size))
+                                                          for size, s in zip(t.sizes, t.seconds, strict=True)]
+        out.append(CostTable(t.key, t.sizes, seconds, measured=t.measured, info=t.info))
+        floor = out[-1]
+    return out
 
 
 def profile_drafter(propose: Callable[[int], object], key: CostKey, sizes: Sequence[int] = DEFAULT_SIZES,
