@@ -56,11 +56,12 @@ class StepBatcher(Generic[J, R]):
     def __init__(self, run_batch: Callable[[list[J]], Sequence[R]], rows: Callable[[J], int] = lambda job: 1,
                  max_rows: int = 512, name: str = "step-batcher",
                  on_batch: Callable[[BatchInfo], None] | None = None, gather: float = 0.25,
-                 session: Callable[[J], Hashable] | None = None) -> None:
+                 session: Callable[[J], Hashable] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.run_batch, self.rows, self.max_rows, self.on_batch = run_batch, rows, max_rows, on_batch
-        self.gather, self.session = gather, session
+        self.gather, self.session, self.clock = gather, session, clock
         self._last_seconds = 0.0
         self._recent: list[set] = [set(), set()]  # sessions of the last two batches
         self._queue: list[_Ticket[J, R]] = []
@@ -109,9 +110,9 @@ class StepBatcher(Generic[J, R]):
             if self._queue[0].call is not None:
                 return [self._queue.pop(0)]
             expected = self._recent[0] | self._recent[1]
-            deadline = time.perf_counter() + self.gather * self._last_seconds
+            deadline = self.clock() + self.gather * self._last_seconds
             while not self._closed and not expected <= {t.session for t in self._queue}:
-                left = deadline - time.perf_counter()
+                left = deadline - self.clock()
                 if left <= 0:
                     break
                 self._cv.wait(left)
@@ -149,7 +150,7 @@ class StepBatcher(Generic[J, R]):
         ticket.done.set()
 
     def _run(self, batch: list[_Ticket[J, R]]) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             results = self.run_batch([t.job for t in batch])
             if len(results) != len(batch):
@@ -158,7 +159,7 @@ class StepBatcher(Generic[J, R]):
             for t in batch:
                 t.error = e
             return
-        info = BatchInfo(len(batch), sum(t.rows for t in batch), time.perf_counter() - t0)
+        info = BatchInfo(len(batch), sum(t.rows for t in batch), self.clock() - t0)
         self._last_seconds = info.seconds
         if self.session is not None:
             self._recent = [self._recent[1], {t.session for t in batch}]

@@ -205,27 +205,27 @@ def test_step_batcher_runs_then_and_calls_on_its_worker():
     batcher.close()
 
 
-def test_step_batcher_waits_briefly_for_a_late_session_instead_of_splitting_the_batch():
+def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
+    # A fake clock: every forward "takes" 1000 s, so the gather window (0.25 x the last forward) is far longer than
+    # any scheduling delay of this machine, and what the batches hold does not depend on its speed.
+    now = [0.0]
     batches, release = [], threading.Event()
 
     def run_batch(jobs: list[tuple[str, int]]) -> list[int]:
-        if jobs[0][0] == "first":
-            release.wait(10)
         batches.append(sorted(name for name, _ in jobs))
-        threading.Event().wait(0.4)  # a 400 ms forward: the gather window is 100 ms
+        now[0] += 1000.0
         return [0] * len(jobs)
 
-    batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job[0])
-    blocker = threading.Thread(target=batcher.submit, args=(("first", 0),))
+    batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job[0], clock=lambda: now[0])
+    blocker = threading.Thread(target=batcher.call, args=(lambda: release.wait(10),))
     blocker.start()
-    threading.Event().wait(0.05)
 
     def session(name: str, delay: float) -> None:
         for step in range(3):
             batcher.submit((name, step))
-            threading.Event().wait(delay)  # "c" answers its client 10 ms later than the others
+            threading.Event().wait(delay)  # "c" answers its client later than the others
 
-    threads = [threading.Thread(target=session, args=(n, d)) for n, d in (("a", 0), ("b", 0), ("c", 0.01))]
+    threads = [threading.Thread(target=session, args=(n, d)) for n, d in (("a", 0), ("b", 0), ("c", 0.05))]
     for t in threads:
         t.start()
     _wait_queued(batcher, 3)
@@ -233,4 +233,6 @@ def test_step_batcher_waits_briefly_for_a_late_session_instead_of_splitting_the_
     for t in [blocker, *threads]:
         t.join(10)
     batcher.close()
-    assert batches == [["first"]] + [["a", "b", "c"]] * 3
+    assert batches == [["a", "b", "c"]] * 3
+
+
