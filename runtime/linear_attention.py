@@ -142,13 +142,13 @@ class GatedDeltaNet(nn.Module):
             levels[d].append(r)
         for level in levels:
             rows = torch.tensor(level, device=x.device)
-            S = states.index_select(0, parent_t[rows]) * decay[rows][..., None, None]
-            k_r = k[rows]
-            kv_mem = (S * k_r[..., None]).sum(dim=-2)
-            delta = (v[rows] - kv_mem) * beta[rows][..., None]
+            S = states.index_select(0, parent_t.index_select(0, rows)) * decay.index_select(0, rows)[..., None, None]
+            k_r = k.index_select(0, rows)
+            kv_mem = torch.matmul(k_r.unsqueeze(-2), S).squeeze(-2)  # [n, Hv, dv]
+            delta = (v.index_select(0, rows) - kv_mem) * beta.index_select(0, rows)[..., None]
             S = S + k_r[..., None] * delta[..., None, :]
-            out[rows] = (S * q[rows][..., None]).sum(dim=-2)
-            states[rows] = S
+            out.index_copy_(0, rows, torch.matmul(q.index_select(0, rows).unsqueeze(-2), S).squeeze(-2))
+            states.index_copy_(0, rows, S)
         for seg in segments:
             seg.kv.set_pending(states[seg.begin : seg.end], windows[seg.begin : seg.end])
 

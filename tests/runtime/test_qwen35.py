@@ -14,6 +14,9 @@ from qwen35_models import make_qwen35, write_qwen35_gguf
 from runtime_helpers import greedy_decode, hf_logits, random_tokens
 
 ATOL = 1e-4
+# ours vs ours after 10-16 more AR steps: the same sums over 1 row or T rows (prefill) round differently, and the
+# recurrent state carries that on (observed up to ~1e-4); the tokens must be equal
+AR_ATOL = 3e-4
 VOCAB = 512
 STEPS = 64
 # side branches at depths 1, 2 and 3, and a path of depth 5
@@ -142,7 +145,7 @@ def test_commit_of_a_side_path_then_ar_equals_ar_from_scratch(ours):
     assert int(scratch_logits.argmax()) == first
     expected, expected_logits = _ar(ours, fresh, first, 16)
     assert got == expected
-    torch.testing.assert_close(got_logits, expected_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got_logits, expected_logits, atol=AR_ATOL, rtol=0)
 
 
 def test_rollback_then_ar_equals_ar_from_scratch(ours):
@@ -164,7 +167,7 @@ def test_rollback_then_ar_equals_ar_from_scratch(ours):
         prefill(ours, fresh, full[:length])
         expected, expected_logits = _ar(ours, fresh, full[length], 10)
         assert got == expected
-        torch.testing.assert_close(got_logits, expected_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got_logits, expected_logits, atol=AR_ATOL, rtol=0)
         full = full[:length] + got[:-1]
     assert not cache.can_rollback(3)  # older than the kept snapshots: the engine recomputes from the tokens
     with pytest.raises(ValueError, match="recompute"):
