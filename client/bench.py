@@ -342,31 +342,71 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def plot_bench(result: dict, path: str | Path) -> None:
-    """tok/s per mode against concurrency, and per-position acceptance of the speculative modes."""
+def plot_bench(result: dict, path: str | Path):
+    """Left: tok/s per mode, as labelled bars for one concurrency or lines over several, each with its ratio to AR
+    (and any baseline as a reference). Right: per-position acceptance of the speculative modes."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    results, conc = result["results"], result["config"]["concurrency"]
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    speed, accept = fig.subplots(1, 2)
+    results, conc, config = result["results"], result["config"]["concurrency"], result["config"]
+    baselines = result.get("baselines", {})
+    fig = Figure(figsize=(15, 5.2), layout="constrained")
+    speed, accept = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    ar = results.get("ar")
+    colors = {m: f"C{i}" for i, m in enumerate(results)}
+    if len(conc) == 1:
+        c = str(conc[0])
+        names = list(results) + [f"{n} AR (reference)" for n in baselines]
+        values = [results[m][c]["tokens_per_s"] for m in results] + [b["tokens_per_s"] for b in baselines.values()]
+        rows = list(range(len(names)))[::-1]  # the first mode on top
+        bars = speed.barh(rows, values, color=[colors.get(m, "0.6") for m in names])
+        for i in range(len(results), len(names)):
+            bars[i].set_hatch("//")
+        for bar, v in zip(bars, values, strict=True):
+            label = f" {v:.1f} tok/s" + (f", {v / ar[c]['tokens_per_s']:.2f}x AR" if ar else "")
+            speed.annotate(label, (v, bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+        speed.set_yticks(rows, names, fontsize=8)
+        speed.set(xlabel="generated tokens / s", title=f"concurrency {c}: {config['max_new_tokens']} new tokens, "
+                                                         f"{config['num_prompts']} prompts (greedy)")
+        speed.margins(x=0.3)
+        speed.set_xlim(left=0)
+    else:
+        for mode, by_c in results.items():
+            ys = [by_c[str(c)]["tokens_per_s"] for c in conc]
+            speed.plot(conc, ys, marker="o", label=mode, color=colors[mode])
+            if ar and mode != "ar":
+                for c, y in zip(conc, ys, strict=True):
+                    speed.annotate(f"{y / ar[str(c)]['tokens_per_s']:.2f}x", (c, y), fontsize=7, xytext=(4, 3),
+                                   textcoords="offset points", color=colors[mode])
+        for name, base in baselines.items():
+            speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
+        speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
+                  title=f"{config['max_new_tokens']} new tokens, {config['num_prompts']} prompts (greedy); "
+                        "labels: x AR at that concurrency")
+        speed.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
+        speed.set_ylim(bottom=0)
+
+    styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
     for mode, by_c in results.items():
-        speed.plot(conc, [by_c[str(c)]["tokens_per_s"] for c in conc], marker="o", label=mode)
-        for c in conc:
+        for i, c in enumerate(conc):
             ppa = by_c[str(c)]["per_position_acceptance"]
             if ppa:
-                accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=f"{mode} c={c}")
-    for name, base in result.get("baselines", {}).items():
-        speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
-    speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
-              title=f"{result['config']['max_new_tokens']} new tokens, {result['config']['num_prompts']} prompts")
-    speed.set_ylim(bottom=0)
-    speed.legend()
+                label = mode if len(conc) == 1 else f"{mode} c={c}"
+                accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=label, color=colors[mode],
+                            linestyle=styles[i % len(styles)])
     accept.xaxis.set_major_locator(MaxNLocator(integer=True))
-    accept.set(xlabel="draft position", ylabel="accepted / drafted", ylim=(-0.03, 1.03),
-               title=f"per-position acceptance ({result['config']['proposal']})")
+    accept.set(xlabel="draft position (depth in the chain or tree)", ylabel="accepted / drafted at that position",
+               ylim=(-0.03, 1.03), title="per-position acceptance")
+    block = config.get("drafter_info", {}).get("block_size")
+    if block and any(len(line.get_xdata()) > block for line in accept.lines):
+        # hybrid drafts past the DSpark block come only from prompt lookup, which drafts that deep only where the
+        # text repeats itself: acceptance jumps there
+        accept.axvline(block + 0.5, color="gray", linestyle=":")
+        accept.text(block + 0.6, 0.97, f"past the DSpark block ({block}):\nprompt-lookup drafts only\n(hybrid)",
+                    fontsize=7, va="top", color="gray")
     if accept.lines:
-        accept.legend(fontsize="small")
+        accept.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         accept.text(0.5, 0.5, "no speculative steps", ha="center", va="center", transform=accept.transAxes)
     fig.savefig(path, dpi=120)
+    return fig

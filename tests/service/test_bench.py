@@ -149,3 +149,37 @@ def test_bench_refuses_an_uninstalled_baseline_before_running(tmp_path):
                  "--baseline", "llama-cpp", timeout=60)
     assert run.returncode == 2 and "make llama-cpp" in run.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def _bench_result(concurrency: list[int], block: int = 4) -> dict:
+    def entry(tps: float, ppa: list[float]) -> dict:
+        return {"tokens_per_s": tps, "per_position_acceptance": ppa}
+
+    results = {"ar": {str(c): entry(10.0 * c, []) for c in concurrency},
+               "speculation": {str(c): entry(14.4 * c, [0.3, 0.1, 0.05, 0.02, 0.3, 0.3]) for c in concurrency}}
+    config = {"concurrency": concurrency, "max_new_tokens": 64, "num_prompts": 2,
+              "drafter_info": {"block_size": block}}
+    return {"results": results, "config": config, "baselines": {"llama-cpp": {"tokens_per_s": 40.0}}}
+
+
+def test_plot_of_one_concurrency_is_labelled_bars_and_explains_the_hybrid_jump(tmp_path):
+    from dspark_grpc.client.bench import plot_bench
+
+    fig = plot_bench(_bench_result([1]), tmp_path / "one.png")
+    speed, accept = fig.axes[:2]
+    assert len(speed.patches) == 3 and not speed.lines  # ar, speculation, the llama.cpp reference: bars
+    labels = [t.get_text() for t in speed.texts]
+    assert labels == [" 10.0 tok/s, 1.00x AR", " 14.4 tok/s, 1.44x AR", " 40.0 tok/s, 4.00x AR"]
+    assert [t.get_text() for t in speed.get_yticklabels()] == ["ar", "speculation", "llama-cpp AR (reference)"]
+    assert any("past the DSpark block (4)" in t.get_text() for t in accept.texts)
+    assert accept.get_legend() is not None and (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_of_several_concurrencies_is_lines_with_ratios():
+    from dspark_grpc.client.bench import plot_bench
+
+    fig = plot_bench(_bench_result([1, 4], block=8), "/dev/null")
+    speed, accept = fig.axes[:2]
+    assert [line.get_label() for line in speed.lines] == ["ar", "speculation", "llama-cpp AR (reference)"]
+    assert [t.get_text() for t in speed.texts] == ["1.44x", "1.44x"]
+    assert not accept.texts  # no position past this drafter's block
