@@ -45,7 +45,7 @@ def test_model_info_names_the_hybrid(stack):
 def test_greedy_speculation_equals_ar(stack, proposal, proposer):
     target, drafter = stack
     with TargetClient(target, drafter=drafter) as client:
-        for prompt in PROMPTS[:3]:
+        for prompt in PROMPTS[:2]:
             ar = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True)
             spec = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="speculation", proposal=proposal,
                                    proposer=proposer, ignore_eos=True)
