@@ -139,7 +139,7 @@ class TargetEngine:
         model = Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
         if progress:
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
-        return cls(model, tokenizer, ckpt.config.name or Path(path).name, limits or EngineLimits())
+        return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -321,6 +321,16 @@ def wire_captures(out: ForwardOutput) -> ForwardOutput:
     if out.captures is not None:
         out.captures = out.captures.to(torch.bfloat16)
     return out
+
+
+def model_display_name(path: str | Path, name: str) -> str:
+    """"SmolLM2-135M-Instruct (Q4_1 GGUF)" for SmolLM2-135M-Instruct.Q4_1.gguf: a GGUF's general.name is often a
+    build label ("Smollm2 135M 8k Lc100K Mix1 Ep2"); the file name is what the user chose."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        stem, _, quant = path.stem.rpartition(".")
+        return f"{stem} ({quant} GGUF)" if stem else f"{path.stem} (GGUF)"
+    return name or path.name
 
 
 def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int) -> list[int]:

@@ -147,3 +147,12 @@ def test_a_launcher_fails_at_once_when_its_service_dies(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("dspark: error: the target service exited with code 1") and "failed to load" in last
     assert "Traceback" not in out.stderr
+
+
+def test_the_default_model_is_named_as_users_know_it(target_address):
+    from dspark_grpc.target_service.engine import model_display_name
+
+    with TargetClient(target_address) as client:
+        assert client.model_info().model_name == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+    assert model_display_name("m/model.gguf", "x") == "model (GGUF)"
+    assert model_display_name("m/hf-dir", "Qwen3") == "Qwen3"
