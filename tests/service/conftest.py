@@ -20,7 +20,8 @@ MAX_MESSAGE_BYTES = 4 << 20
 @pytest.fixture(scope="session")
 def target_address() -> str:
     """The default model (embedded SmolLM2 GGUF), small limits so limit tests are cheap."""
-    args = ["--max-sessions", str(MAX_SESSIONS), "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--quiet"]
+    args = ["--max-sessions", str(MAX_SESSIONS), "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--quiet",
+            "--no-cost-profile"]
     with local_target(args, echo=False) as address:
         with TargetClient(address) as client:
             client.wait_ready(timeout=300)
@@ -30,7 +31,7 @@ def target_address() -> str:
 @pytest.fixture(scope="session")
 def draft_address() -> str:
     """A seeded random drafter for the default target; the CPU Triton interpreter on, so 'fused' can run."""
-    args = ["--drafter", "random", "--seed", "0", "--max-sessions", str(MAX_SESSIONS), "--quiet"]
+    args = ["--drafter", "random", "--seed", "0", "--max-sessions", str(MAX_SESSIONS), "--quiet", "--no-cost-profile"]
     with local_drafter(args, echo=False, env={"TRITON_INTERPRET": "1"}) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)
@@ -44,7 +45,7 @@ def spec_target(draft_address: str) -> tuple[str, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         metrics_port = sock.getsockname()[1]
-    args = ["--drafter", draft_address, "--metrics-port", str(metrics_port), "--quiet"]
+    args = ["--drafter", draft_address, "--metrics-port", str(metrics_port), "--quiet", "--no-cost-profile"]
     with local_target(args, echo=False) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)

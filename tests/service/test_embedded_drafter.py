@@ -19,7 +19,7 @@ PROMPTS = [
 def embedded_drafter() -> str:
     if not (EMBEDDED_DRAFTER / "model.safetensors").is_file():
         pytest.fail(f"the shipped drafter is missing: {EMBEDDED_DRAFTER}")
-    with local_drafter(["--drafter", "embedded", "--quiet"], echo=False) as address:
+    with local_drafter(["--drafter", "embedded", "--quiet", "--no-cost-profile"], echo=False) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)
         yield address

@@ -13,6 +13,7 @@ from tests.service.conftest import MAX_SESSIONS, RawSession
 from tests.service.test_draft_service import DraftSession
 
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
+NO_PROFILE_RANDOM = ["--drafter", "random", "--quiet", "--no-cost-profile"]
 
 
 def free_port() -> int:
@@ -26,7 +27,7 @@ def test_drafter_killed_mid_generation_finishes_target_only(target_address):
     procs: list = []
     with TargetClient(target_address) as ar_client:
         reference = ar_client.generate(messages=MESSAGES, max_new_tokens=48, ignore_eos=True, mode="ar")
-    with local_drafter(["--drafter", "random", "--quiet"], echo=False, port=port, process=procs) as drafter:
+    with local_drafter(NO_PROFILE_RANDOM, echo=False, port=port, process=procs) as drafter:
         client = TargetClient(target_address, drafter=drafter, draft_timeout=5.0)
         client.wait_ready(120)
         from dspark_grpc.protos.dspark.v1 import common_pb2
@@ -43,7 +44,7 @@ def test_drafter_killed_mid_generation_finishes_target_only(target_address):
         assert stats.mode_run == common_pb2.DECODE_MODE_SPECULATION
 
     # the drafter comes back on the same address: new requests speculate again
-    with local_drafter(["--drafter", "random", "--quiet"], echo=False, port=port):
+    with local_drafter(NO_PROFILE_RANDOM, echo=False, port=port):
         client.wait_ready(120)
         again = client.generate(messages=MESSAGES, max_new_tokens=16, ignore_eos=True, mode="speculation")
         assert again.stats.fallback_reason == "" and again.stats.speculative_steps > 0
@@ -107,7 +108,7 @@ def test_drafter_for_another_target_is_refused_and_the_request_goes_on(target_ad
     TextTokenizer.from_gguf(smollm2_path).save(other)  # same tokenizer, another model
     with TargetClient(target_address) as ar_client:
         reference = ar_client.generate(messages=MESSAGES, max_new_tokens=16, mode="ar")
-    with local_drafter(["--target-model", str(other), "--quiet"], echo=False) as drafter:
+    with local_drafter(["--target-model", str(other), "--quiet", "--no-cost-profile"], echo=False) as drafter:
         with TargetClient(target_address, drafter=drafter) as client:
             client.wait_ready(120)
             result = client.generate(messages=MESSAGES, max_new_tokens=16, mode="speculation")

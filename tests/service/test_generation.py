@@ -66,7 +66,8 @@ def test_tiny_hf_safetensors_models_match_hf(name, tiny_hf_models, tokenizer):
     tokenizer.save(directory)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     rng = random.Random(7)
-    with local_target(["--model", str(directory), "--quiet"], echo=False) as address, TargetClient(address) as c:
+    args = ["--model", str(directory), "--quiet", "--no-cost-profile"]
+    with local_target(args, echo=False) as address, TargetClient(address) as c:
         c.wait_ready(120)
         assert c.model_info().architecture == name
         for _ in range(5):
@@ -215,7 +216,7 @@ def test_graceful_shutdown(tiny_hf_models, smollm2_path):
     directory = tiny_hf_models["qwen3"]
     TextTokenizer.from_gguf(smollm2_path).save(directory)
     cmd = [sys.executable, "-m", "dspark_grpc.target_service.cli", "serve", "--model", str(directory),
-           "--port", "0", "--quiet", "--grace", "2"]
+           "--port", "0", "--quiet", "--grace", "2", "--no-cost-profile"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
