@@ -190,16 +190,24 @@ def test_bad_sessions_budgets_and_handshakes(draft, target_rows, draft_address):
     assert health_status(draft_address, "dspark.v1.DraftService") == 1  # SERVING
 
 
+LOSSLESS_PROMPTS = [[{"role": "user", "content": q}] for q in
+                    ("What is the capital of France?", "List three prime numbers.", "Say hello in French.")]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target_address) -> list:
+    """AR's result for each of LOSSLESS_PROMPTS (computed once for every speculative variant)."""
+    with TargetClient(target_address) as client:
+        return [client.generate(messages=m, max_new_tokens=32, mode="ar") for m in LOSSLESS_PROMPTS]
+
+
 @pytest.mark.parametrize("proposal,proposer,kernel", [
     ("chain", "dspark", "torch"), ("chain", "dspark", "fused"), ("tree", "dspark", "torch"),
     ("chain", "ngram", "auto"), ("tree", "ngram", "auto"), ("chain", "hybrid", "auto"), ("tree", "hybrid", "auto"),
 ])
-def test_speculation_is_lossless(target_address, draft_address, proposal, proposer, kernel):
-    prompts = [[{"role": "user", "content": q}] for q in
-               ("What is the capital of France?", "List three prime numbers.", "Say hello in French.")]
+def test_speculation_is_lossless(target_address, draft_address, ar_outputs, proposal, proposer, kernel):
     with TargetClient(target_address, drafter=draft_address) as client:
-        for messages in prompts:
-            ar = client.generate(messages=messages, max_new_tokens=32, mode="ar")
+        for messages, ar in zip(LOSSLESS_PROMPTS, ar_outputs, strict=True):
             spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal,
                                    proposer=proposer, kernel=kernel)
             assert spec.token_ids == ar.token_ids and spec.text == ar.text

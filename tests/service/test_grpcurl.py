@@ -63,14 +63,15 @@ def test_model_info_and_generate_with_json(target_address, client):
 def test_whole_speculative_generation_with_grpcurl(spec_target_address, target_address):
     messages = [{"role": "user", "content": "List three fruits."}]
     runs = {}
-    for mode in ("DECODE_MODE_AR", "DECODE_MODE_SPECULATION"):
-        for proposal in ("PROPOSAL_KIND_CHAIN", "PROPOSAL_KIND_TREE"):
-            request = {"prompt": {"chat": {"messages": messages}}, "max_new_tokens": 32, "mode": mode,
-                       "proposal": proposal}
-            out = grpcurl(spec_target_address, "dspark.v1.TargetService/Generate", data=json.dumps(request))
-            msgs = [json.loads(m) for m in _split_json_stream(out)]
-            runs[mode, proposal] = ("".join(m.get("text", "") for m in msgs),
-                                    [t for m in msgs for t in m.get("token_ids", [])], msgs[-1]["stats"])
+    speculation = "DECODE_MODE_SPECULATION"
+    for mode, proposal in (("DECODE_MODE_AR", "PROPOSAL_KIND_CHAIN"), (speculation, "PROPOSAL_KIND_CHAIN"),
+                           (speculation, "PROPOSAL_KIND_TREE")):
+        request = {"prompt": {"chat": {"messages": messages}}, "max_new_tokens": 32, "mode": mode,
+                   "proposal": proposal}
+        out = grpcurl(spec_target_address, "dspark.v1.TargetService/Generate", data=json.dumps(request))
+        msgs = [json.loads(m) for m in _split_json_stream(out)]
+        runs[mode, proposal] = ("".join(m.get("text", "") for m in msgs),
+                                [t for m in msgs for t in m.get("token_ids", [])], msgs[-1]["stats"])
     ar_text, ar_ids, _ = runs["DECODE_MODE_AR", "PROPOSAL_KIND_CHAIN"]
     assert ar_ids
     for (mode, _), (text, ids, stats) in runs.items():
