@@ -10,6 +10,8 @@ from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.client.sdk import make_channel
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
 
+from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
+
 PROMPTS = [
     "List three uses of copper.",
     "Write a Python function that reverses a string.",
@@ -36,7 +38,7 @@ def test_concurrent_ar_requests_get_the_tokens_each_gets_alone(target_address):
 
 
 def test_every_mode_at_concurrency_gives_ar_tokens(target_address, draft_address):
-    with TargetClient(target_address, drafter=draft_address) as client:
+    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
         reference = _generate_all(client, 1, mode="ar")
         for options in (dict(mode="speculation"), dict(mode="speculation", proposal="tree", proposer="hybrid"),
                         dict(mode="adaptive")):

@@ -10,7 +10,7 @@ from dspark_grpc.client.sdk import SessionStream
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 
-from tests.service.conftest import MAX_SESSIONS, RawSession, health_status
+from tests.service.conftest import MAX_SESSIONS, SLOW_MACHINE_DRAFT_TIMEOUT, RawSession, health_status
 
 INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 3, 5, 8, 9
 PROMPT = [1, 9690, 198, 23409, 253, 2143, 1202, 338, 14855, 2, 198, 1, 520, 9531, 198]
@@ -206,7 +206,7 @@ def ar_outputs(target_address) -> list:
     ("chain", "ngram", "auto"), ("tree", "ngram", "auto"), ("chain", "hybrid", "auto"), ("tree", "hybrid", "auto"),
 ])
 def test_speculation_is_lossless(target_address, draft_address, ar_outputs, proposal, proposer, kernel):
-    with TargetClient(target_address, drafter=draft_address) as client:
+    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
         for messages, ar in zip(LOSSLESS_PROMPTS, ar_outputs, strict=True):
             spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal,
                                    proposer=proposer, kernel=kernel)
@@ -238,7 +238,7 @@ def test_sampled_chain_carries_the_distributions_it_was_drawn_from(draft, target
 def test_seeded_speculative_sampling_is_reproducible(target_address, draft_address):
     kwargs = dict(messages=[{"role": "user", "content": "Tell me a fact about cats."}], max_new_tokens=24,
                   temperature=0.8, top_p=0.9, mode="speculation", proposer="dspark", ignore_eos=True)
-    with TargetClient(target_address, drafter=draft_address) as client:
+    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
         a = client.generate(seed=11, **kwargs)
         b = client.generate(seed=11, **kwargs)
         assert a.token_ids == b.token_ids and len(a.token_ids) == 24
@@ -248,7 +248,7 @@ def test_seeded_speculative_sampling_is_reproducible(target_address, draft_addre
 def test_eos_stop_strings_and_max_tokens_match_ar_when_speculating(target_address, draft_address):
     """Steps that commit several tokens must end exactly where AR ends: at EOS, a stop string or max tokens."""
     chat = [{"role": "user", "content": "Repeat after me: one two three, one two three, one two three."}]
-    with TargetClient(target_address, drafter=draft_address) as client:
+    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
         full_ar = client.generate(messages=chat, max_new_tokens=120, mode="ar")
         assert full_ar.finish_reason == "eos"
         text = full_ar.text

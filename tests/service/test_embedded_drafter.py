@@ -9,6 +9,8 @@ from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
 
+from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
+
 PROMPTS = [
     [{"role": "user", "content": "Explain in three sentences why the sky is blue."}],
     [{"role": "user", "content": "Write a Python function that returns the factorial of n."}],
@@ -26,7 +28,7 @@ def embedded_drafter() -> str:
 
 
 def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(target_address, embedded_drafter):
-    with TargetClient(target_address, drafter=embedded_drafter) as client:
+    with TargetClient(target_address, drafter=embedded_drafter, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
         info = client.drafter_info()
         assert info.name == EMBEDDED_DRAFTER.name
         dspark_accepted, per_step = 0, {}
