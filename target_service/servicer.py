@@ -280,7 +280,7 @@ def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None
         if tree.HasField(name):
             t = tensors[name] = from_proto(getattr(tree, name), f"tree.{name}")
             if t.dim() != dims or t.shape[0] != n:
-                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; it must be [nodes ({n})"
+                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; it must be [number of nodes ({n})"
                                       f"{', k' if dims == 2 else ''}]")
     ids, lps = tensors.get("child_token_ids"), tensors.get("child_logprobs")
     if (ids is None) != (lps is None):
