@@ -13,7 +13,7 @@ import torch
 from dspark_grpc.client.generation import StopStrings
 from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.runtime.sessions import SessionStore
+from dspark_grpc.runtime.sessions import Owner, SessionStore
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,31 @@ def test_session_store_limit_ttl_and_owner():
     assert len(store) == 0
     with pytest.raises(NotFound):
         store.release(a)
+
+
+def test_session_store_sessions_belong_to_their_owner_and_principals_are_capped():
+    store: SessionStore[str] = SessionStore(max_sessions=4, idle_ttl_s=10, max_per_principal=2)
+    alice1, alice2, bob = Owner("alice"), Owner("alice"), Owner("bob")  # two streams of alice, one of bob
+    a = store.create("a", alice1)
+    assert store.get(a, alice1) == "a" and store.get(a) == "a"  # no owner given: the engine's own access
+    for other in (alice2, bob):
+        with pytest.raises(NotFound, match="never opened on this stream"):
+            store.get(a, other)
+    store.create("a2", alice2)
+    with pytest.raises(ResourceExhausted, match="--max-sessions-per-principal 2"):
+        store.create("a3", alice1)
+    store.create("b", bob)  # another principal is not held back
+    store.release_owner(alice2)
+    store.create("a3", alice1)
+    assert len(store) == 3
+
+
+def test_tensor_shapes_are_bounded_even_when_empty():
+    with pytest.raises(InvalidArgument, match="too large"):
+        from_proto(common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[0, 1 << 40, 1 << 40]))
+    with pytest.raises(InvalidArgument, match="too large"):
+        from_proto(common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[1] * 9))
+    assert from_proto(common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[0, 1 << 20])).shape == (0, 1 << 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
