@@ -1,0 +1,72 @@
+"""Layers point one way, read from every import statement in the tree (module level and inside functions):
+
+    protos, dspark_grpc.cli_common  <-  runtime (model math, serving)  <-  target_service, draft_service
+    protos, dspark_grpc.cli_common  <-  client (the SDK: torch-free)
+
+No service imports the other; the SDK imports neither a service, nor runtime, nor torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("protos", "dspark_grpc", "runtime", "client", "target_service", "draft_service")
+ALLOWED = {  # folder -> what it may import of ours (itself always)
+    "protos": set(),
+    "dspark_grpc": set(),
+    "client": {"protos", "cli_common"},
+    "runtime": {"protos", "cli_common"},
+    "target_service": {"protos", "cli_common", "runtime", "client"},
+    "draft_service": {"protos", "cli_common", "runtime", "client"},
+}
+NO_TORCH = ("protos", "dspark_grpc", "client")
+# Known: runtime reads the torch-free cost-table and metrics types from client/ (issue 14 moves them to a
+# speculation layer below both). No new edge of this kind may appear.
+KNOWN_EXCEPTIONS = {("runtime/cost_profile.py", "client"), ("runtime/service_metrics.py", "client")}
+FOLDER_OF = {"cli_common": "dspark_grpc"}
+
+
+def imports(folder: str) -> list[tuple[str, str]]:
+    """(file, imported top-level name of ours or 'torch') for every import under `folder`."""
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if "_pb2" in path.name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "dspark_grpc" and len(parts) > 1:
+                    found.append((str(path.relative_to(ROOT)), parts[1]))
+                elif parts[0] == "torch":
+                    found.append((str(path.relative_to(ROOT)), "torch"))
+    return found
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_imports_point_one_way(folder):
+    bad = []
+    for file, name in imports(folder):
+        if name == "torch":
+            if folder in NO_TORCH:
+                bad.append((file, name))
+            continue
+        if FOLDER_OF.get(name, name) == folder or name in ALLOWED[folder] or (file, name) in KNOWN_EXCEPTIONS:
+            continue
+        bad.append((file, name))
+    assert not bad, f"{folder} imports what it must not: {bad}"
+
+
+def test_the_known_exceptions_still_exist():
+    # once issue 14 removes one, drop it from KNOWN_EXCEPTIONS so it cannot come back
+    found = set(imports("runtime"))
+    assert KNOWN_EXCEPTIONS <= found
