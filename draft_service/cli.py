@@ -15,7 +15,7 @@ from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.security import server_security
-from dspark_grpc.runtime.serving import add_serve_arguments, serve
+from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
 
 from dspark_grpc.cli_common import OneLineParser
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                       register=lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                       grace_s=args.grace, log_prefix="[dspark-draft]", security=security))
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from dspark_grpc.client.sdk import ChannelSecurity
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.security import server_security
-from dspark_grpc.runtime.serving import add_serve_arguments, serve
+from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                       register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                       grace_s=args.grace, log_prefix="[dspark-target]", security=security))
+    exit_now()
 
 
 if __name__ == "__main__":

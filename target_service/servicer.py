@@ -248,8 +248,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                step = loop.run_in_executor(self.executor, next, deltas, None)
-                delta = await step
+                step = self.executor.submit(next, deltas, None)
+                delta = await asyncio.wrap_future(step)
                 step = None
                 if delta is None:
                     return
@@ -261,10 +261,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except RequestError as e:
             await context.abort(status_code(e.code), e.message)
         finally:
-            if step is not None:  # cancelled mid-step: let the step finish before closing the loop
+            if step is not None and not step.done():  # cancelled mid-step: it must end before the loop is closed
+                if speculation is not None:  # a step waiting on the drafter goes on at once, target-only
+                    speculation.drafter.close("the request was cancelled")
                 try:
-                    await asyncio.shield(step)
-                except BaseException:  # noqa: BLE001
+                    await asyncio.shield(asyncio.wrap_future(step))
+                except BaseException:  # noqa: BLE001 - the step's own error does not matter any more
                     pass
             await loop.run_in_executor(self.executor, deltas.close)
             if speculation is not None:

@@ -87,3 +87,16 @@ def join_all(threads: list[threading.Thread], timeout: float) -> list[int]:
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0.0))
     return [i for i, t in enumerate(threads) if t.is_alive()]
+
+
+def start_load(address: str, clients: list[TargetClient], max_new_tokens: int, n_rpc: int = 4):
+    """n_rpc Generate calls and one SDK stream per client, AR, all started; returns (outcomes, threads) once each
+    has its first tokens."""
+    calls = [(generate_rpc, (address, PROMPTS[i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                        mode=common_pb2.DECODE_MODE_AR)) for i in range(n_rpc)]
+    calls += [(sdk_stream, (c, PROMPTS[n_rpc + i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True, mode="ar"))
+              for i, c in enumerate(clients)]
+    outcomes, threads = run_all(calls)
+    for out in outcomes:
+        assert out.started.wait(120), "a call got no first token"
+    return outcomes, threads

@@ -1,0 +1,323 @@
+"""Faults under load, on one pair of services (tests run in file order; the last one kills the target):
+
+- a cancel/close/deadline storm: 16 clients x 10 requests that walk away in every way a caller can (the SDK's
+  deadline, breaking out of a stream, closing the client mid-request, asyncio cancellation, a Generate RPC's
+  deadline or cancel). Every call returns within its deadline (or the moment it was abandoned) + 2 s, no session
+  is left on either service (GetModelInfo / GetDrafterInfo and /metrics), and a normal request afterwards is AR's;
+- the drafter stalled (SIGSTOP) or killed (SIGKILL) under 8 concurrent speculative requests: every request
+  finishes with AR's tokens, AR requests never wait on the drafter, sessions are freed, and Generate speculates
+  again soon after the drafter is back. The target runs with `--draft-timeout 0` (no bound per drafter call):
+  requests under way when the drafter stalls can then only finish because the target's health probe of the
+  drafter drops it, which is what is tested. The SDK clients speculate with the drafter directly, with their own
+  draft timeout;
+- the target killed (SIGKILL) under load: every Generate and SDK call ends with UNAVAILABLE at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from dspark_grpc.client import AsyncTargetClient, TargetClient
+from dspark_grpc.client.generation import RequestError
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+from tests.reliability.conftest import MAX_SESSIONS, Service, draft_args, live_sessions, rss_mb, service, wait_until
+from tests.reliability.lifecycle_helpers import (
+    PROMPTS,
+    Outcome,
+    generate_rpc,
+    join_all,
+    run_all,
+    sdk_stream,
+    start_load,
+)
+
+CLIENTS, REQUESTS = 16, 10
+DEADLINE = 0.5  # seconds: shorter than any request of 200 tokens, so every deadline kind fires
+SLACK = 2.0  # a call must return within its deadline (or the moment it was abandoned) + this
+# What an abandoned call may end with: deadline, cancelled, or no free session while others are being freed
+ENDINGS = {"ok", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED", "abandoned"}
+TOKENS = 48  # long enough that every request is still running when the drafter stops or dies
+AR, SPECULATION = common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+BOUND = 180.0  # seconds: only catches a hang (a request waiting on the stopped drafter for good)
+RESUME_BOUND = 10.0  # seconds after the drafter is back: gRPC's default reconnect backoff took 19 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ports() -> dict[str, int]:
+    return dict(draft=_free_port(), target_metrics=_free_port(), draft_metrics=_free_port())
+
+
+@pytest.fixture(scope="module")
+def drafter(ports) -> Iterator[Service]:
+    with service("draft", [*draft_args(), "--metrics-port", str(ports["draft_metrics"])], port=ports["draft"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def target(drafter: Service, ports) -> Iterator[Service]:
+    args = ["--drafter", drafter.address, "--draft-timeout", "0", "--max-sessions", str(MAX_SESSIONS),
+            "--metrics-port", str(ports["target_metrics"])]
+    with service("target", args) as s:
+        yield s
+
+
+def _gauge(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def _code(e: BaseException) -> str:
+    if isinstance(e, RequestError):
+        return {1: "CANCELLED", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED"}.get(e.code, f"code {e.code}: {e}")
+    if isinstance(e, grpc.RpcError):
+        return e.code().name
+    return f"{type(e).__name__}: {e}"
+
+
+class Storm:
+    def __init__(self, target: Service, drafter: Service) -> None:
+        self.target, self.drafter = target, drafter
+        self.results: list[tuple[str, str, float]] = []  # (kind, ending, seconds past its bound)
+        self.lock = threading.Lock()
+
+    def record(self, kind: str, ending: str, late: float) -> None:
+        with self.lock:
+            self.results.append((kind, ending, late))
+
+    def client(self, **kwargs) -> TargetClient:
+        return TargetClient(self.target.address, drafter=self.drafter.address, draft_timeout=5, **kwargs)
+
+    def run_client(self, i: int) -> None:
+        client = self.client(timeout=60)
+        for j in range(REQUESTS):
+            kind = ("sdk_deadline", "sdk_break", "sdk_close", "aio_cancel", "rpc_deadline", "rpc_cancel")[(i + j) % 6]
+            prompt, t0 = PROMPTS[(i + j) % len(PROMPTS)], time.monotonic()
+            try:
+                if kind == "sdk_deadline":
+                    with self.client(timeout=DEADLINE) as c:
+                        c.generate(prompt, max_new_tokens=200, ignore_eos=True, mode="speculation")
+                    self.record(kind, "ok", time.monotonic() - t0 - DEADLINE)
+                elif kind == "sdk_break":
+                    steps = client.stream(prompt, max_new_tokens=200, ignore_eos=True, mode="speculation")
+                    next(steps)
+                    t_quit = time.monotonic()
+                    steps.close()
+                    self.record(kind, "abandoned", time.monotonic() - t_quit)
+                elif kind == "sdk_close":
+                    steps = client.stream(prompt, max_new_tokens=200, ignore_eos=True, mode="speculation")
+                    next(steps)
+                    t_quit = time.monotonic()
+                    threading.Thread(target=client.close, daemon=True).start()
+                    try:
+                        for _ in steps:
+                            pass
+                        ending = "ok"
+                    except (RequestError, grpc.RpcError) as e:
+                        ending = _code(e)
+                    self.record(kind, ending, time.monotonic() - t_quit)
+                    client = self.client(timeout=60)
+                elif kind == "aio_cancel":
+                    async def cancelled(prompt: str = prompt) -> None:
+                        async with AsyncTargetClient(self.target.address, drafter=self.drafter.address,
+                                                     draft_timeout=5, timeout=60) as c:
+                            await asyncio.wait_for(c.generate(prompt, max_new_tokens=200, ignore_eos=True,
+                                                              mode="speculation"), DEADLINE)
+                    try:
+                        asyncio.run(cancelled())
+                        ending = "ok"
+                    except TimeoutError:
+                        ending = "CANCELLED"
+                    self.record(kind, ending, time.monotonic() - t0 - DEADLINE)
+                else:
+                    with grpc.insecure_channel(self.target.address) as channel:
+                        request = target_pb2.GenerateRequest(prompt=common_pb2.Prompt(text=prompt), max_new_tokens=200,
+                                                             ignore_eos=True, mode=common_pb2.DECODE_MODE_SPECULATION)
+                        stub = target_pb2_grpc.TargetServiceStub(channel)
+                        if kind == "rpc_deadline":
+                            for _ in stub.Generate(request, timeout=DEADLINE):
+                                pass
+                            self.record(kind, "ok", time.monotonic() - t0 - DEADLINE)
+                        else:
+                            call = stub.Generate(request, timeout=60)
+                            next(call)
+                            t_quit = time.monotonic()
+                            call.cancel()
+                            self.record(kind, "abandoned", time.monotonic() - t_quit)
+            except (RequestError, grpc.RpcError) as e:
+                self.record(kind, _code(e), time.monotonic() - t0 - DEADLINE)
+        client.close()
+
+
+def test_cancel_close_deadline_storm_leaves_no_session(target, drafter, ports):
+    with TargetClient(target.address) as ar:
+        reference = ar.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True, mode="ar").token_ids
+    rss0 = rss_mb(target.pid), rss_mb(drafter.pid)
+    storm = Storm(target, drafter)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=storm.run_client, args=(i,), daemon=True) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 600  # a bound on the whole storm: only a hang gets near it
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0))
+    assert not [t for t in threads if t.is_alive()], "a storm client hung"
+    storm_seconds = time.monotonic() - t0
+
+    assert len(storm.results) == CLIENTS * REQUESTS
+    assert {e for _, e, _ in storm.results} <= ENDINGS, sorted({e for _, e, _ in storm.results} - ENDINGS)
+    late = [(k, e, round(s, 2)) for k, e, s in storm.results if s > SLACK]
+    assert not late, f"calls that returned more than {SLACK:g} s past their deadline: {late}"
+    freed = wait_until(lambda: live_sessions(target.address, drafter.address) == (0, 0), 60,
+                       "every session freed on both services")
+    assert _gauge(ports["target_metrics"], "dspark:target_live_sessions") == 0
+    assert _gauge(ports["draft_metrics"], "dspark:draft_live_sessions") == 0
+
+    with TargetClient(target.address, drafter=drafter.address) as client:
+        after = client.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True, mode="speculation")
+    assert after.token_ids == reference and after.stats.speculative_steps > 0
+    rss1 = rss_mb(target.pid), rss_mb(drafter.pid)
+    by_kind: dict[str, list[float]] = {}
+    for k, _, s in storm.results:
+        by_kind.setdefault(k, []).append(s)
+    print(f"\nstorm: {CLIENTS}x{REQUESTS} calls in {storm_seconds:.1f} s; latest return past the bound by kind: "
+          + ", ".join(f"{k} {max(v):+.2f} s" for k, v in sorted(by_kind.items()))
+          + f"; endings {Counter(e for _, e, _ in storm.results)}; sessions 0 on both {freed:.2f} s after; "
+          f"RSS target {rss0[0]:.0f} -> {rss1[0]:.0f} MiB, drafter {rss0[1]:.0f} -> {rss1[1]:.0f} MiB")
+
+
+@pytest.fixture(scope="module")
+def reference(target: Service) -> dict[str, list[int]]:
+    """Greedy AR tokens of every prompt."""
+    outcomes, threads = run_all([(generate_rpc, (target.address, p), dict(max_new_tokens=TOKENS, ignore_eos=True,
+                                                                          mode=AR)) for p in PROMPTS])
+    assert not join_all(threads, BOUND)
+    assert all(o.code == 0 for o in outcomes), [o.message for o in outcomes]
+    return {p: o.token_ids for p, o in zip(PROMPTS, outcomes, strict=True)}
+
+
+def _speculate(target: Service, drafter: Service, clients: list[TargetClient]):
+    """6 Generate calls and 2 SDK streams, all speculating; returns once each has its first tokens."""
+    calls = [(generate_rpc, (target.address, p), dict(max_new_tokens=TOKENS, ignore_eos=True, mode=SPECULATION))
+             for p in PROMPTS[:6]]
+    calls += [(sdk_stream, (c, p), dict(max_new_tokens=TOKENS, ignore_eos=True, mode="speculation"))
+              for c, p in zip(clients, PROMPTS[6:], strict=True)]
+    outcomes, threads = run_all(calls)
+    for out in outcomes:
+        assert out.started.wait(BOUND)
+    return outcomes, threads
+
+
+def _check_identical(outcomes: list[Outcome], prompts: list[str], reference: dict[str, list[int]]) -> None:
+    assert [o.code for o in outcomes] == [0] * len(outcomes), [(o.code, o.message) for o in outcomes]
+    for o, p in zip(outcomes, prompts, strict=True):
+        assert o.token_ids == reference[p][: len(o.token_ids)] and len(o.token_ids) == TOKENS, p
+
+
+def _speculates(address: str) -> bool:
+    out = Outcome()
+    generate_rpc(address, PROMPTS[0], out, timeout=60, max_new_tokens=3, ignore_eos=True, mode=SPECULATION)
+    return out.code == 0 and out.stats.speculative_steps > 0
+
+
+def _ar_seconds(address: str) -> Outcome:
+    out = run_all([(generate_rpc, (address, PROMPTS[1]), dict(max_new_tokens=32, ignore_eos=True, mode=AR))])
+    assert not join_all(out[1], BOUND), "an AR request waited on the stopped drafter"
+    return out[0][0]
+
+
+def test_drafter_sigstop_costs_no_tokens_and_ar_never_waits(target, drafter, reference):
+    ar_normal = _ar_seconds(target.address)
+    clients = [TargetClient(target.address, drafter=drafter.address, draft_timeout=5, timeout=300)
+               for _ in range(2)]
+    outcomes, threads = _speculate(target, drafter, clients)
+    drafter.process.send_signal(signal.SIGSTOP)
+    try:
+        t_stop = time.monotonic()
+        ar_stalled = _ar_seconds(target.address)  # joined while the drafter is still stopped
+        assert ar_stalled.code == 0 and ar_stalled.token_ids == reference[PROMPTS[1]][:32]
+        late = Outcome()  # a speculative request that starts while the drafter is stopped: target-only at once
+        generate_rpc(target.address, PROMPTS[2], late, timeout=BOUND, max_new_tokens=8, ignore_eos=True,
+                     mode=SPECULATION)
+        assert late.code == 0 and late.token_ids == reference[PROMPTS[2]][:8]
+        assert late.stats.speculative_steps == 0 and "drafter" in late.stats.fallback_reason
+        hung = join_all(threads, BOUND)
+        assert not hung, f"requests {hung} waited on the stopped drafter"
+        t_done = time.monotonic()
+        _check_identical(outcomes, PROMPTS, reference)
+        assert all("drafter" in o.stats.fallback_reason for o in outcomes), [o.stats.fallback_reason
+                                                                           for o in outcomes]
+        wait_until(lambda: live_sessions(target.address)[0] == 0, 30, "the target's sessions freed")
+    finally:
+        drafter.process.send_signal(signal.SIGCONT)
+    resumed = wait_until(lambda: _speculates(target.address), RESUME_BOUND, "Generate speculates again", every=0.2)
+    wait_until(lambda: live_sessions(target.address, drafter.address) == (0, 0), 30, "sessions freed on both")
+    print(f"\nSIGSTOP: AR request (32 tokens) {ar_normal.seconds:.2f} s normally, {ar_stalled.seconds:.2f} s with the "
+          f"drafter stopped; 8 requests under way finished {t_done - t_stop:.2f} s after the stop; speculation "
+          f"again {resumed:.2f} s after SIGCONT; why they stopped speculating: {outcomes[0].stats.fallback_reason}")
+    for c in clients:
+        c.close()
+
+
+def test_drafter_sigkill_costs_no_tokens_and_speculation_resumes(target, drafter, ports, reference):
+    clients = [TargetClient(target.address, drafter=drafter.address, draft_timeout=5, timeout=300)
+               for _ in range(2)]
+    outcomes, threads = _speculate(target, drafter, clients)
+    t_kill = time.monotonic()
+    drafter.process.kill()
+    hung = join_all(threads, BOUND)
+    assert not hung, f"requests {hung} never finished after the drafter died"
+    t_done = time.monotonic()
+    _check_identical(outcomes, PROMPTS, reference)
+    assert all("drafter" in o.stats.fallback_reason for o in outcomes), [o.stats.fallback_reason for o in outcomes]
+    assert not _speculates(target.address)
+    wait_until(lambda: live_sessions(target.address)[0] == 0, 30, "the target's sessions freed")
+    with service("draft", draft_args(), port=ports["draft"]) as back:  # the same address; returns once SERVING
+        resumed = wait_until(lambda: _speculates(target.address), RESUME_BOUND, "Generate speculates again",
+                             every=0.2)
+        again = run_all([(sdk_stream, (clients[0], PROMPTS[6]), dict(max_new_tokens=16, ignore_eos=True,
+                                                                     mode="speculation"))])
+        assert not join_all(again[1], BOUND)
+        sdk = again[0][0]
+        assert sdk.code == 0 and sdk.stats.speculative_steps > 0 and sdk.token_ids == reference[PROMPTS[6]][:16]
+        wait_until(lambda: live_sessions(target.address, back.address) == (0, 0), 30, "sessions freed on both")
+    print(f"\nSIGKILL: 8 requests under way finished {t_done - t_kill:.2f} s after the kill, identical to AR; Generate "
+          f"speculated again {resumed:.2f} s after the restarted drafter was SERVING")
+    for c in clients:
+        c.close()
+
+
+def test_target_sigkill_ends_every_call_with_unavailable(target):  # last: the module's target dies here
+    clients = [TargetClient(target.address, timeout=300) for _ in range(4)]
+    outcomes, threads = start_load(target.address, clients, max_new_tokens=4000)
+    t_kill = time.monotonic()
+    target.process.kill()
+    hung = join_all(threads, 10)
+    assert not hung, f"calls {hung} still running 10 s after SIGKILL"
+    assert [o.code for o in outcomes] == [UNAVAILABLE] * len(outcomes), [(o.code, o.message) for o in outcomes]
+    print(f"\ntarget SIGKILL: every call ended {max(o.t_end for o in outcomes) - t_kill:.2f} s after it, UNAVAILABLE")
+    # a client of the dead target fails at once, the same way
+    out = run_all([(sdk_stream, (clients[0], "Hi"), dict(max_new_tokens=4, mode="ar"))])
+    assert not join_all(out[1], 10)
+    assert out[0][0].code == UNAVAILABLE
+    for c in clients:
+        c.close()
