@@ -232,3 +232,36 @@ def test_linear_layers_refuse_masks_that_are_not_trees(ours):
     with pytest.raises(ValueError, match="tree mask"):
         ours(torch.tensor([4, 5]), torch.tensor([3, 4]), cache, mask=mask)
     assert cache.length == 3 and cache.pending == 0
+
+
+def test_conditional_generation_checkpoint_loads_its_text_model(layout, ours, tmp_path):
+    """Qwen3_5ForConditionalGeneration's layout: the text config nested, weights under model.language_model.,
+    a vision tower and MTP weights that the target does not use."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, directory, _ = layout
+    text = json.loads((directory / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+              "vision_config": {"depth": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(str(directory / "model.safetensors")).items()}
+    tensors.update({"model.visual.patch_embed.proj.weight": torch.zeros(2, 2), "mtp.fc.weight": torch.zeros(2, 2)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = load_checkpoint(tmp_path, progress=False)
+    assert ckpt.config.fingerprint() == ours.config.fingerprint()
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(ckpt.weights[key], value, atol=0, rtol=0, msg=key)
+
+
+def test_bfloat16_model_decodes_with_float32_recurrent_state(layout):
+    _, directory, _ = layout
+    model = Transformer.from_checkpoint(load_checkpoint(directory, progress=False), dtype=torch.bfloat16).pack()
+    cache = model.new_cache()
+    generated, logits = greedy_decode(model, tokens(8, seed=40), 6)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all() and len(generated) == 6
+    prefill(model, cache, tokens(8, seed=40))
+    assert all(s.state.dtype == torch.float32 and s.conv.dtype == torch.bfloat16 for s in cache.linear.values())
+    assert any(s.state.abs().sum() > 0 for s in cache.linear.values())
