@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,12 @@ def service(kind: str, args: list[str] = (), *, port: int = 0) -> Iterator[Servi
         wait_until(lambda: health(address) == health_pb2.HealthCheckResponse.SERVING, START_TIMEOUT,
                    f"{kind} at {address} SERVING")
         yield Service(address, procs[0])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def draft_args(seed: int = 0) -> list[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -31,7 +30,15 @@ from dspark_grpc.client import AsyncTargetClient, TargetClient
 from dspark_grpc.client.generation import RequestError
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 
-from tests.reliability.conftest import MAX_SESSIONS, Service, draft_args, live_sessions, rss_mb, service, wait_until
+from tests.reliability.conftest import (
+    Service,
+    draft_args,
+    free_port,
+    live_sessions,
+    rss_mb,
+    service,
+    wait_until,
+)
 from tests.reliability.lifecycle_helpers import (
     PROMPTS,
     Outcome,
@@ -43,6 +50,8 @@ from tests.reliability.lifecycle_helpers import (
 )
 
 CLIENTS, REQUESTS = 16, 10
+# room for a client's next request while the server still frees the sessions of the one it abandoned
+STORM_SESSIONS = 2 * CLIENTS
 DEADLINE = 0.5  # seconds: shorter than any request of 200 tokens, so every deadline kind fires
 SLACK = 2.0  # a call must return within its deadline (or the moment it was abandoned) + this
 # What an abandoned call may end with: deadline, cancelled, or no free session while others are being freed
@@ -54,26 +63,21 @@ BOUND = 180.0  # seconds: only catches a hang (a request waiting on the stopped 
 RESUME_BOUND = 10.0  # seconds after the drafter is back: gRPC's default reconnect backoff took 19 s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ports() -> dict[str, int]:
-    return dict(draft=_free_port(), target_metrics=_free_port(), draft_metrics=_free_port())
+    return dict(draft=free_port(), target_metrics=free_port(), draft_metrics=free_port())
 
 
 @pytest.fixture(scope="module")
 def drafter(ports) -> Iterator[Service]:
-    with service("draft", [*draft_args(), "--metrics-port", str(ports["draft_metrics"])], port=ports["draft"]) as s:
+    args = [*draft_args(), "--max-sessions", str(STORM_SESSIONS), "--metrics-port", str(ports["draft_metrics"])]
+    with service("draft", args, port=ports["draft"]) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def target(drafter: Service, ports) -> Iterator[Service]:
-    args = ["--drafter", drafter.address, "--draft-timeout", "0", "--max-sessions", str(MAX_SESSIONS),
+    args = ["--drafter", drafter.address, "--draft-timeout", "0", "--max-sessions", str(STORM_SESSIONS),
             "--metrics-port", str(ports["target_metrics"])]
     with service("target", args) as s:
         yield s
