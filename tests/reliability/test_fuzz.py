@@ -9,10 +9,16 @@ services SERVING afterwards with no session left, and a normal request afterward
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,7 +29,7 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability.conftest import Ops, Service, draft_args, health, live_sessions, service, wait_until
+from tests.reliability.conftest import START_TIMEOUT, Ops, Service, draft_args, health, live_sessions, wait_until
 
 SEED = 20261201
 MESSAGES, LONG_MESSAGES = 2_000, 50_000
@@ -127,17 +133,48 @@ class Mutator:
         return bytes(b)
 
 
+@contextlib.contextmanager
+def logged_service(module: str, args: list[str], log: Path) -> Iterator[Service]:
+    """A service whose whole output (its log) goes to `log`, so the test can read it afterwards."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args,
+           "--no-cost-profile", "--quiet"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is not None or health(address) == health_pb2.HealthCheckResponse.SERVING,
+                   START_TIMEOUT, f"{module} SERVING")
+        assert proc.poll() is None, log.read_text()[-2000:]
+        yield Service(address, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
-def fuzz_drafter() -> Iterator[Service]:
-    with service("draft", [*draft_args(seed=7), "--max-message-bytes", str(4 << 20)]) as s:
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz-logs")
+
+
+@pytest.fixture(scope="module")
+def fuzz_drafter(logs: Path) -> Iterator[Service]:
+    args = [*draft_args(seed=7), "--max-message-bytes", str(4 << 20)]
+    with logged_service("dspark_grpc.draft_service.cli", args, logs / "draft.log") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def fuzz_target(fuzz_drafter: Service) -> Iterator[Service]:
+def fuzz_target(fuzz_drafter: Service, logs: Path) -> Iterator[Service]:
     args = ["--drafter", fuzz_drafter.address, "--max-length", str(MAX_LENGTH), "--max-tree-nodes", "16",
             "--max-sessions", "16", "--max-message-bytes", str(4 << 20)]
-    with service("target", args) as s:
+    with logged_service("dspark_grpc.target_service.cli", args, logs / "target.log") as s:
         yield s
 
 
@@ -397,9 +434,11 @@ class Campaign:
             self.raw_step()
 
 
-def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Service, request: pytest.FixtureRequest):
+def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Service, logs: Path,
+                                       request: pytest.FixtureRequest):
     n = LONG_MESSAGES if request.config.getoption("--long") else MESSAGES
-    campaign = Campaign(fuzz_target, fuzz_drafter, SEED)
+    n = int(os.environ.get("DSPARK_FUZZ_MESSAGES", n))
+    campaign = Campaign(fuzz_target, fuzz_drafter, int(os.environ.get("DSPARK_FUZZ_SEED", SEED)))
     t0 = time.monotonic()
     try:
         for i in range(n):
@@ -413,6 +452,11 @@ def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Servi
     assert sum(campaign.codes.values()) >= n
     assert not campaign.failures, f"{len(campaign.failures)} bad replies:\n" + "\n".join(campaign.failures[:20])
     assert campaign.codes["OK"] > n // 10 and campaign.codes["INVALID_ARGUMENT"] > n // 10  # it went both ways
+    # a refused request is one log line, never a traceback
+    for name in ("target.log", "draft.log"):
+        text = (logs / name).read_text()
+        print(f"{name}: {text.count(' refused: ')} one-line refusals, {text.count('Traceback')} tracebacks")
+        assert "Traceback" not in text, text[text.index("Traceback") - 500:][:3000]
 
     for address in (fuzz_target.address, fuzz_drafter.address):
         assert health(address) == health_pb2.HealthCheckResponse.SERVING
