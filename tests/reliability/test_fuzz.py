@@ -436,7 +436,7 @@ class Campaign:
 
 def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Service, logs: Path,
                                        request: pytest.FixtureRequest):
-    n = LONG_MESSAGES if request.config.getoption("--long") else MESSAGES
+    n = LONG_MESSAGES if request.config.getoption("--long", default=False) else MESSAGES
     n = int(os.environ.get("DSPARK_FUZZ_MESSAGES", n))
     campaign = Campaign(fuzz_target, fuzz_drafter, int(os.environ.get("DSPARK_FUZZ_SEED", SEED)))
     t0 = time.monotonic()
