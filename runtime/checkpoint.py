@@ -15,6 +15,10 @@ the FFN norm, and, when there are more linear value heads than key heads, the va
 by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, the conv's V rows and ssm_out's
 columns): we undo that reordering.
 
+Precision: "exact" (the default) dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 matrices
+as their raw blocks (Checkpoint.blocks; their entry in `weights` is a meta tensor of the right shape) for
+runtime/quant.py's int4 matmuls; every other tensor is still dequantized here (the model casts it to bf16).
+
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
 not permute qwen2/qwen3 (llama.cpp runs those with NEOX RoPE, which is rotate_half), so nor do we.
@@ -28,7 +32,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +40,12 @@ import torch
 
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
+from .quant import QuantBlocks, blocks_of
 from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
 from .transformer import Transformer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRECISIONS = ("exact", "fast")
 
 _GGUF_GLOBAL = {
     "token_embd.weight": "tok_embeddings.weight",
@@ -117,9 +123,10 @@ _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # our names, float32
+    weights: dict[str, torch.Tensor]  # our names, float32 (meta for the matrices in `blocks`)
     gguf_metadata: dict[str, Any] | None = None
     hf_dir: Path | None = None
+    blocks: dict[str, QuantBlocks] = field(default_factory=dict)  # precision "fast": Q4_0/Q4_1 matrices as stored
 
 
 def default_model_path() -> Path:
@@ -135,16 +142,32 @@ def default_model_path() -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike[str], progress: bool = True) -> Checkpoint:
-    """A .gguf file or an HF directory (config.json + safetensors); `progress` prints a line per stage."""
+def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precision: str = "exact") -> Checkpoint:
+    """A .gguf file or an HF directory (config.json + safetensors); `progress` prints a line per stage.
+    precision "fast" keeps a GGUF's Q4_0/Q4_1 matrices as blocks (see the module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no model at {p}: expected a .gguf file or an HF directory with config.json")
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, progress)
+        return _load_gguf(p, progress, keep_blocks=precision == "fast")
     if is_hf_dir(p):
         return _load_hf(p, progress)
     raise ValueError(f"{p} is neither a .gguf file nor a directory with config.json and safetensors weights")
+
+
+def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dtype = torch.float32) -> Transformer:
+    """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
+    bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
+    its 1-row step bitwise, so greedy speculation equals greedy AR of this same model)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "exact":
+        return Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
+    model = Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16).pack()
+    model.batch_invariant = True
+    return model
 
 
 def _log(progress: bool, message: str, t0: float) -> None:
@@ -167,14 +190,17 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, progress: bool) -> Checkpoint:
+def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpoint:
     t0 = time.perf_counter()
     reader = open_gguf(path)
     metadata = read_gguf_metadata(reader)
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(metadata, has_output_weight="output.weight" in names)
     _log(progress, f"read GGUF header of {path.name}: {config.architecture}, {len(names)} tensors", t0)
+    if keep_blocks and config.architecture == "qwen35":
+        raise ValueError("precision fast covers llama/qwen2/qwen3 models; run qwen35 with precision exact")
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantBlocks] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # llama3 rope scaling as llama.cpp writes it
             factors = tuple(dequantize_tensor(tensor).tolist())
@@ -182,9 +208,13 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
             continue
         layer_map = _QWEN35_GGUF_LAYER if config.architecture == "qwen35" else _GGUF_LAYER
         ours = _rename(tensor.name, _GGUF_GLOBAL, layer_map, _GGUF_LAYER_RE)
-        w = dequantize_tensor(tensor)
+        b = blocks_of(tensor) if keep_blocks and ours != "tok_embeddings.weight" else None
+        w = b.data if b is not None else dequantize_tensor(tensor)
         if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
             w = _unpermute_rows(w, config.num_heads if ".wq." in ours else config.num_kv_heads)
+        if b is not None:
+            blocks[ours] = b.with_rows(w)
+            w = torch.empty(b.shape, device="meta")
         weights[ours] = w
     del reader
     if config.architecture == "qwen35":
@@ -193,8 +223,9 @@ def _load_gguf(path: Path, progress: bool) -> Checkpoint:
     if config.rope_freq_factors is not None and len(config.rope_freq_factors) != config.head_dim // 2:
         raise ValueError(f"rope_freqs has {len(config.rope_freq_factors)} entries, expected {config.head_dim // 2}")
     _check_names(config, weights)
-    _log(progress, f"dequantized {len(weights)} tensors to float32", t0)
-    return Checkpoint(config, weights, gguf_metadata=metadata)
+    kept = f", kept {len(blocks)} Q4_0/Q4_1 matrices as blocks" if blocks else ""
+    _log(progress, f"dequantized {len(weights) - len(blocks)} tensors to float32{kept}", t0)
+    return Checkpoint(config, weights, gguf_metadata=metadata, blocks=blocks)
 
 
 def _load_hf(path: Path, progress: bool) -> Checkpoint:

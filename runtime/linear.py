@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quant import Int4Weight, QuantBlocks
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 3
 
@@ -54,39 +56,61 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class FusedProjection:
     """Several projections of the same input (q/k/v, gate/up) as one packed matmul: one pass over the rows."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
+    int4: Int4Weight | None = None  # instead of packed, when every layer came as GGUF int4 blocks
 
     @classmethod
     def of(cls, layers: Sequence[nn.Linear]) -> FusedProjection | None:
+        blocks = [getattr(layer, "blocks", None) for layer in layers]
+        if any(b is not None for b in blocks):
+            if any(b is None for b in blocks):
+                return None
+            return cls(None, None, tuple(layer.out_features for layer in layers),
+                       Int4Weight.of(blocks, layers[0].weight.dtype, _fused_bias(layers, layers[0].weight)))
         weight = torch.cat([layer.weight.detach() for layer in layers])
         packed = pack_weight(weight)
         if packed is None or any(layer.weight.requires_grad for layer in layers):
             return None
-        bias = None
-        if any(layer.bias is not None for layer in layers):
-            bias = torch.cat([layer.bias.detach() if layer.bias is not None
-                              else weight.new_zeros(layer.out_features) for layer in layers])
-        return cls(packed, bias, tuple(layer.out_features for layer in layers))
+        return cls(packed, _fused_bias(layers, weight), tuple(layer.out_features for layer in layers))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return packed_matmul(x, self.packed, self.bias, sum(self.sizes)).split(self.sizes, dim=-1)
+        y = self.int4(x) if self.int4 is not None else packed_matmul(x, self.packed, self.bias, sum(self.sizes))
+        return y.split(self.sizes, dim=-1)
+
+
+def _fused_bias(layers: Sequence[nn.Linear], like: torch.Tensor) -> torch.Tensor | None:
+    if all(layer.bias is None for layer in layers):
+        return None
+    return torch.cat([layer.bias.detach() if layer.bias is not None
+                      else torch.zeros(layer.out_features, dtype=like.dtype) for layer in layers])
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one."""
+    """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
+
+    A Linear given a GGUF's Q4_0/Q4_1 `blocks` (runtime/quant.py; its weight is then a meta tensor) runs as an
+    int4 group-32 matmul once packed."""
 
     packed: torch.Tensor | None = None
+    blocks: QuantBlocks | None = None
+    int4: Int4Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4(x)
+        assert self.blocks is None, "a Linear made from int4 blocks runs only once packed (pack_linears)"
         return linear(x, self.weight, self.bias, self.packed)
 
 
 def matmul_kind(model: nn.Module) -> str:
-    """"onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it)."""
-    packed = any(isinstance(m, Linear) and m.packed is not None for m in model.modules())
-    return "onednn-packed" if packed else "aten"
+    """"int4-g32" when `pack_linears` made int4 matmuls from GGUF blocks, "onednn-packed" when it packed the model,
+    else "aten" (cost tables are keyed by it, so a table profiled on one kind is never reused for another)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if any(m.int4 is not None for m in linears):
+        return "int4-g32"
+    return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -94,7 +118,10 @@ def pack_linears(model: nn.Module) -> int:
     the MLP's gate/up) build their fused projections; returns how many Linears were packed."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.blocks is not None:
+            module.int4 = Int4Weight.of([module.blocks], module.weight.dtype, module.bias)
+            count += 1
+        elif isinstance(module, Linear):
             module.packed = None if module.weight.requires_grad else pack_weight(module.weight)
             count += module.packed is not None
         pack_fused = getattr(module, "pack_fused", None)

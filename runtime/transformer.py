@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch_invariant import RowKeys, attention_by_row, row_keys
 from .config import ModelConfig
 from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
@@ -46,6 +47,7 @@ class Segment:
     mask: torch.Tensor | None
     kv: KVSource
     parents: list[int] | None = None  # the rows' tree, for linear-attention layers (None: a chain)
+    keys: RowKeys | None = None  # attend row by row to these key rows (Transformer.batch_invariant)
 
 
 @dataclass
@@ -144,6 +146,9 @@ class Attention(nn.Module):
         for seg in segments:
             k, v = seg.kv.update(k_new[:, seg.begin : seg.end], v_new[:, seg.begin : seg.end])
             assert seg.mask is None or seg.mask.shape == (seg.end - seg.begin, k.shape[1]), (seg.mask.shape, k.shape)
+            if seg.keys is not None:
+                outs.append(attention_by_row(q[:, seg.begin : seg.end], k, v, seg.keys))
+                continue
             out = F.scaled_dot_product_attention(q[None, :, seg.begin : seg.end], k[None], v[None],
                                                  attn_mask=seg.mask, enable_gqa=True)
             outs.append(out[0])
@@ -214,6 +219,9 @@ class Transformer(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.packed_lm_head: torch.Tensor | None = None
+        # A masked (verify) row's attention runs alone, so that it equals a 1-row step bitwise (runtime/
+        # batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
+        self.batch_invariant = False
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -231,6 +239,8 @@ class Transformer(nn.Module):
             model = cls(ckpt.config)
         weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
         model.load_state_dict(weights, strict=True, assign=True)
+        for name, blocks in ckpt.blocks.items():  # int4 matmuls once packed (runtime/linear.py)
+            model.get_submodule(name.removesuffix(".weight")).blocks = blocks
         model.init_rope()
         return model.eval().requires_grad_(False)
 
@@ -288,7 +298,7 @@ class Transformer(nn.Module):
         for b in batch:
             self._check_input(b)
         trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
-        masks, bounds, begin = [], [], 0
+        masks, bounds, keys, begin = [], [], [], 0
         for b in batch:
             T = b.tokens.shape[0]
             start = b.cache.begin(T)
@@ -297,6 +307,7 @@ class Transformer(nn.Module):
                 mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device),
                                   b.new_rows_mask.to(self.device)], dim=1)
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
+            keys.append(row_keys(mask) if self.batch_invariant and mask is not None else None)
             bounds.append((begin, begin + T))
             begin += T
         tokens = torch.cat([b.tokens for b in batch]).to(self.device)
@@ -306,8 +317,8 @@ class Transformer(nn.Module):
         wanted = sorted({i for b in batch for i in b.capture_layers})
         captured: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
-            segments = [Segment(lo, hi, m, b.cache.layer(i)) for (lo, hi), m, b in zip(bounds, masks, batch,
-                                                                                       strict=True)]
+            segments = [Segment(lo, hi, m, b.cache.layer(i), keys=rk)
+                        for (lo, hi), m, b, rk in zip(bounds, masks, batch, keys, strict=True)]
             if trees is not None:
                 for seg, parents in zip(segments, trees, strict=True):
                     seg.parents = parents

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
 from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
-from dspark_grpc.runtime.checkpoint import load_checkpoint
+from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -129,14 +129,16 @@ class TargetEngine:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
-             progress: bool = True) -> TargetEngine:
+             progress: bool = True, precision: str = "exact") -> TargetEngine:
+        """precision "exact": float32 (or `dtype`); "fast": int4 weights from a GGUF's Q4 blocks, bf16 activations
+        (runtime/checkpoint.inference_model)."""
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(path, progress=progress)
+        ckpt = load_checkpoint(path, progress=progress, precision=precision)
         if ckpt.gguf_metadata is not None:
             tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
         else:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
-        model = Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
+        model = inference_model(ckpt, precision, dtype)
         if progress:
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
         return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())
