@@ -1,0 +1,89 @@
+"""GGUF Q4_0/Q4_1 blocks as torch int4 matmuls (runtime/quant.py) and the fast precision's loading."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.cost_profile import target_key
+from dspark_grpc.runtime.linear import Linear, matmul_kind
+from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
+Q = gguf.GGMLQuantizationType
+
+
+def quantized(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantBlocks:
+    raw = gguf.quants.quantize(weight.numpy(), qtype)
+    return QuantBlocks(qtype, torch.from_numpy(raw), tuple(weight.shape))
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_blocks_decode_like_the_gguf_package(qtype):
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0)) * 0.1
+    blocks = quantized(w, qtype)
+    reference = gguf.quants.dequantize(blocks.data.numpy(), qtype)
+    assert np.array_equal(dequantize_blocks(blocks).numpy(), reference)
+    assert not np.array_equal(reference, w.numpy())  # the quantizer really rounded: the check is not vacuous
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_int4_matmul_with_float32_scales_is_the_dequantized_matmul(qtype):
+    g = torch.Generator().manual_seed(1)
+    parts = [quantized(torch.randn(n, 64, generator=g) * 0.1, qtype) for n in (32, 64)]
+    bias = torch.randn(96, generator=g)
+    weight = torch.cat([dequantize_blocks(p) for p in parts])
+    x = torch.randn(5, 64, generator=g)
+    expected = x.double() @ weight.double().T + bias.double()
+    exact = Int4Weight.of(parts, torch.float32, bias)  # fp32 scales: the weights bit for bit (scalar kernel)
+    torch.testing.assert_close(exact(x).double(), expected, rtol=1e-5, atol=1e-5)
+    fast = Int4Weight.of(parts, torch.bfloat16, bias)  # what the fast precision runs: bf16 scales and rows
+    got = fast(x.bfloat16()).double()
+    assert got.shape == (5, 96)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoints(smollm2_path):
+    return load_checkpoint(smollm2_path, progress=False), load_checkpoint(smollm2_path, progress=False,
+                                                                         precision="fast")
+
+
+def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
+    exact, fast = smollm2_checkpoints
+    assert len(fast.blocks) == 210 and set(fast.blocks) < set(exact.weights)  # every matrix of the 30 layers
+    assert "tok_embeddings.weight" not in fast.blocks  # Q8_0 embeddings/tied head: dequantized, run in bf16
+    for name, blocks in fast.blocks.items():
+        assert fast.weights[name].is_meta and blocks.qtype == Q.Q4_1
+        # the blocks (llama's Q/K rows un-permuted like the float32 weights) decode to exact's float32 weights
+        assert torch.equal(dequantize_blocks(blocks), exact.weights[name]), name
+    for name in exact.weights.keys() - fast.blocks.keys():
+        assert torch.equal(fast.weights[name], exact.weights[name]), name
+
+
+def test_fast_model_is_keyed_apart_in_cost_tables(smollm2_checkpoints):
+    exact, fast = smollm2_checkpoints
+    exact_model, fast_model = inference_model(exact, "exact"), inference_model(fast, "fast")
+    assert matmul_kind(fast_model) == "int4-g32" and matmul_kind(exact_model) == "onednn-packed"
+    assert fast_model.dtype == torch.bfloat16 and fast_model.batch_invariant and not exact_model.batch_invariant
+    int4 = [m for m in fast_model.modules() if isinstance(m, Linear) and m.int4 is not None]
+    assert len(int4) == 210
+    assert fast_model.layers[0].attention.qkv.int4 is not None and fast_model.layers[0].feed_forward.gate_up.int4
+    fast_key, exact_key = target_key(fast_model), target_key(exact_model)
+    assert (fast_key.matmul, fast_key.dtype) == ("int4-g32", "bfloat16") and fast_key != exact_key
+
+
+def test_precision_is_checked(smollm2_path):
+    with pytest.raises(ValueError, match="precision must be one of exact, fast"):
+        load_checkpoint(smollm2_path, progress=False, precision="int4")
+
+
+def test_serve_takes_a_precision():
+    from dspark_grpc.target_service.cli import parser
+
+    assert parser().parse_args(["serve"]).precision == "exact"
+    assert parser().parse_args(["serve", "--precision", "fast"]).precision == "fast"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--precision", "int8"])
