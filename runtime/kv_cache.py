@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .config import ModelConfig
+from .linear_attention import PendingRows, delta_rule
 
 
 class CacheFullError(ValueError):
@@ -148,26 +149,48 @@ class LayerKV:
 
 
 class LinearState:
-    """One linear-attention layer's state for one sequence (runtime/linear_attention.py): the committed
-    recurrent state [Hv, dk, dv] (float32) and conv window [K-1, C], and the per-row states and conv windows
-    [T, K, C] of the last forward, pending until a commit keeps one row's."""
+    """One linear-attention layer's state for one sequence (runtime/linear_attention.py): the committed recurrent
+    state [Hv, dk, dv] (float32) and conv window [K-1, C], and the last forward's rows, pending until a commit.
+
+    The pending rows keep every row's state while that costs at most `budget` bytes (drafts and AR steps); above
+    it (a long prefill chunk, a large tree) they keep the delta rule's per-row inputs instead, and a commit runs
+    the rule again along the committed path (a few small ops per row, against T states held in memory)."""
 
     def __init__(self, num_v_heads: int, k_dim: int, v_dim: int, conv_dim: int, kernel: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, budget: int) -> None:
         self.state = torch.zeros(num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
         self.conv = torch.zeros(kernel - 1, conv_dim, dtype=dtype, device=device)
-        self.pending_states: torch.Tensor | None = None
-        self.pending_windows: torch.Tensor | None = None
+        self.budget = budget
+        self.pending: PendingRows | None = None
 
-    def set_pending(self, states: torch.Tensor, windows: torch.Tensor) -> None:
-        assert states.shape[1:] == self.state.shape and windows.shape[2:] == self.conv.shape[1:], (
-            states.shape, windows.shape)
-        self.pending_states, self.pending_windows = states, windows
+    def keeps_states(self, rows: int) -> bool:
+        return rows * self.state.numel() * self.state.element_size() <= self.budget
 
-    def row(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state, conv window) after pending row r; copies, so the pending tensors can be freed."""
-        assert self.pending_states is not None and self.pending_windows is not None
-        return self.pending_states[r].clone(), self.pending_windows[r, 1:].clone()
+    def set_pending(self, pending: PendingRows) -> None:
+        T = len(pending.parents)
+        assert pending.windows.shape == (T, self.conv.shape[0] + 1), (pending.windows.shape, T)
+        assert pending.states is None or pending.states.shape == (T, *self.state.shape), pending.states.shape
+        self.pending = pending
+
+    def path_states(self, path: Sequence[int], last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(state, conv window) after each of the `last` final rows of `path`, a root-to-node path of the pending
+        rows (copies: the pending rows can be freed)."""
+        p = self.pending
+        assert p is not None
+        if any(p.parents[b] != a for a, b in zip([-1, *path], path, strict=False)):
+            raise ValueError(f"rows {list(path)} are not a root-to-node path of the pending rows {p.parents}: a "
+                             "linear-attention layer can only commit one")
+        tail = list(path[len(path) - last :]) if last else []
+        if p.states is not None:
+            states = [p.states[r] for r in tail]
+        else:
+            assert p.rule is not None
+            states, S = [], self.state[None]
+            for j, r in enumerate(path):
+                S, _ = delta_rule(S, *(t[r : r + 1] for t in p.rule))
+                if j >= len(path) - len(tail):
+                    states.append(S[0])
+        return [(S.clone(), p.inputs.index_select(0, p.windows[r, 1:])) for S, r in zip(states, tail, strict=True)]
 
     def reset(self) -> None:
         self.state, self.conv = torch.zeros_like(self.state), torch.zeros_like(self.conv)
@@ -183,13 +206,13 @@ class HybridCache(KVCache):
     Commit keeps the state of the accepted path's last row. Rollback needs the recurrent state at the earlier
     length: the cache keeps copies at the last `snapshot_window` committed lengths (and length 0 is the zero
     state); `can_rollback` says whether a length is among them, otherwise the caller recomputes from the tokens
-    (target_service/engine.py re-prefills). Memory: one state per linear layer per snapshot, and one per new row
-    of a forward while it is pending.
+    (target_service/engine.py re-prefills). Memory per linear layer: a state per snapshot, and a forward's
+    pending rows (their states up to `pending_state_bytes`, see LinearState).
     """
 
     def __init__(self, config: ModelConfig, max_length: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, initial_capacity: int = 256,
-                 snapshot_window: int = 8) -> None:
+                 snapshot_window: int = 8, pending_state_bytes: int = 16 << 20) -> None:
         attention = [i for i in range(config.num_layers) if not config.is_linear(i)]
         if not attention:
             raise ValueError("a hybrid cache needs at least one attention layer")
@@ -200,7 +223,8 @@ class HybridCache(KVCache):
         conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
                     + c.linear_num_value_heads * c.linear_value_head_dim)
         self.linear = {i: LinearState(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                                      conv_dim, c.linear_conv_kernel, dtype, device) for i in c.linear_layers}
+                                      conv_dim, c.linear_conv_kernel, dtype, device, pending_state_bytes)
+                       for i in c.linear_layers}
         self.snapshot_window = snapshot_window
         self.snapshots: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -216,18 +240,21 @@ class HybridCache(KVCache):
     def discard(self) -> None:
         super().discard()
         for s in self.linear.values():
-            s.pending_states = s.pending_windows = None
+            s.pending = None
 
     def commit(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keep pending rows `rows` (a root-to-node path of the last forward's tree); the recurrent states become
         those after its last row."""
         rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        if any(not 0 <= r < self.pending for r in rows):
+            raise ValueError(f"commit rows {rows} out of range for {self.pending} pending rows")
         start = self.length
-        kept = {}
+        kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         if rows:
-            first = max(0, len(rows) - self.snapshot_window)
-            kept = {start + j + 1: {i: s.row(rows[j]) for i, s in self.linear.items()}
-                    for j in range(first, len(rows))}
+            last = min(len(rows), max(1, self.snapshot_window))
+            for i, s in self.linear.items():
+                for j, pair in enumerate(s.path_states(rows, last), start=len(rows) - last):
+                    kept.setdefault(start + j + 1, {})[i] = pair
         super().commit(rows)  # validates the rows before changing anything, then discards the pending rows
         if kept:
             for i, s in self.linear.items():

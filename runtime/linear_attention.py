@@ -4,8 +4,8 @@ Per sequence a layer carries a recurrent state [Hv, dk, dv] (float32) and a conv
 pre-convolution q/k/v projection) instead of a K/V row per token. The new rows of a forward form a forest over
 the committed state: row i continues from its parent row, or from the committed state when its parent is -1.
 So every node of a verified tree gets exactly the state of its own root-to-node path (shared prefixes computed
-once), and a chain (prefill, AR, a chain draft) is the case parent = i - 1. The per-row states and windows stay
-pending in the cache (kv_cache.LinearState) until a commit picks the accepted path's last row.
+once), and a chain (prefill, AR, a chain draft) is the case parent = i - 1. The rows stay pending in the cache
+(PendingRows in kv_cache.LinearState) until a commit keeps the state after the accepted path's last row.
 
 The math is transformers' Qwen3_5GatedDeltaNet: causal depthwise conv + SiLU, l2-normed q/k (q scaled by
 dk^-0.5), decay g = A * softplus(a + dt_bias) with A = -exp(A_log), beta = sigmoid(b), the delta rule
@@ -15,6 +15,7 @@ S = S * exp(g); S += k (beta (v - k S)); o = q S; then RMSNorm(o) * silu(z) per 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +76,30 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def delta_rule(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+               q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One gated delta-rule step for n rows from their parents' states S [n, Hv, dk, dv] (float32): k/q [n, Hv, dk]
+    (l2-normed, q scaled), v [n, Hv, dv], beta/decay [n, Hv]. Returns the new states and, given q, the outputs
+    [n, Hv, dv]."""
+    assert S.shape[:2] == k.shape[:2] == v.shape[:2] == beta.shape == decay.shape, (S.shape, k.shape, beta.shape)
+    S = S * decay[..., None, None]
+    kv_mem = torch.matmul(k.unsqueeze(-2), S).squeeze(-2)
+    delta = (v - kv_mem) * beta[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    return S, None if q is None else torch.matmul(q.unsqueeze(-2), S).squeeze(-2)
+
+
+@dataclass
+class PendingRows:
+    """A forward's new rows in one linear-attention layer of one sequence, until a commit keeps a path of them."""
+
+    inputs: torch.Tensor  # [K-1 + T, C]: the committed conv window, then the rows' pre-conv q/k/v projection
+    windows: torch.Tensor  # [T, K]: row r's conv window as indices into `inputs`
+    parents: list[int]
+    states: torch.Tensor | None  # [T, Hv, dk, dv] each row's state, or None: recompute a path from `rule`
+    rule: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # the rows' k, v, beta, decay
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -108,17 +133,21 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.proj(x) if self.proj is not None else (self.in_qkv(x), self.in_z(x), self.in_b(x),
                                                                    self.in_a(x))
         # Causal conv along each row's path: gather its K inputs from [committed window; new rows] per segment.
-        pieces, index, parent, depth, offset = [], [], [], [], 0
+        pieces, index, parent, depth, seg_of, offset = [], [], [], [], [], 0
+        trees = []
         for s, seg in enumerate(segments):
             n = seg.end - seg.begin
             parents = seg.parents if seg.parents is not None else chain_parents(n)
             assert len(parents) == n, (len(parents), n)
+            trees.append((offset, window_index(parents, K), parents))
             pieces += [seg.kv.conv, qkv[seg.begin : seg.end]]
-            index.append(window_index(parents, K) + offset)
+            index.append(trees[-1][1] + offset)
             offset += K - 1 + n
-            parent += [seg.begin + p if p >= 0 else T + s for p in parents]
+            parent += [seg.begin + p if p >= 0 else -1 for p in parents]
             depth += tree_levels(parents)
-        windows = torch.cat(pieces).index_select(0, torch.cat(index).view(-1).to(x.device)).view(T, K, self.conv_dim)
+            seg_of += [s] * n
+        inputs = torch.cat(pieces)
+        windows = inputs.index_select(0, torch.cat(index).view(-1).to(x.device)).view(T, K, self.conv_dim)
         mixed = F.silu((windows * self.conv.t()[None]).sum(dim=1))
 
         q, k, v = mixed.split([self.num_k_heads * self.k_dim] * 2 + [self.num_v_heads * self.v_dim], dim=-1)
@@ -131,26 +160,40 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         decay = (self.A.float() * F.softplus(a.float() + self.dt_bias)).exp()
 
-        # The delta rule, one tree level at a time over every segment's rows at that depth.
-        states = x.new_empty((T + len(segments), self.num_v_heads, self.k_dim, self.v_dim), dtype=torch.float32)
-        for s, seg in enumerate(segments):
-            states[T + s] = seg.kv.state
-        out = torch.empty_like(v)
-        parent_t = torch.tensor(parent, device=x.device)
+        # The delta rule one tree level at a time, over every segment's rows at that depth: a level starts from
+        # the level above (or, at depth 0, its segment's committed state), so only two levels' states are live,
+        # plus the rows' states of the segments whose cache keeps them pending (LinearState.keeps_states).
         levels: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        pos = [0] * T
         for r, d in enumerate(depth):
+            pos[r] = len(levels[d])
             levels[d].append(r)
+        src = [seg_of[r] if parent[r] < 0 else pos[parent[r]] for r in range(T)]
+        keep = [seg.kv.keeps_states(seg.end - seg.begin) for seg in segments]
+        slot, n_kept = [-1] * T, 0
+        for seg, kept_seg in zip(segments, keep, strict=True):
+            if kept_seg:
+                slot[seg.begin : seg.end] = range(n_kept, n_kept + seg.end - seg.begin)
+                n_kept += seg.end - seg.begin
+        kept = x.new_empty((n_kept, self.num_v_heads, self.k_dim, self.v_dim), dtype=torch.float32)
+        out = torch.empty_like(v)
+        prev = torch.stack([seg.kv.state for seg in segments])
         for level in levels:
             rows = torch.tensor(level, device=x.device)
-            S = states.index_select(0, parent_t.index_select(0, rows)) * decay.index_select(0, rows)[..., None, None]
-            k_r = k.index_select(0, rows)
-            kv_mem = torch.matmul(k_r.unsqueeze(-2), S).squeeze(-2)  # [n, Hv, dv]
-            delta = (v.index_select(0, rows) - kv_mem) * beta.index_select(0, rows)[..., None]
-            S = S + k_r[..., None] * delta[..., None, :]
-            out.index_copy_(0, rows, torch.matmul(q.index_select(0, rows).unsqueeze(-2), S).squeeze(-2))
-            states.index_copy_(0, rows, S)
-        for seg in segments:
-            seg.kv.set_pending(states[seg.begin : seg.end], windows[seg.begin : seg.end])
+            S, o = delta_rule(prev.index_select(0, torch.tensor([src[r] for r in level], device=x.device)),
+                              k.index_select(0, rows), v.index_select(0, rows), beta.index_select(0, rows),
+                              decay.index_select(0, rows), q.index_select(0, rows))
+            out.index_copy_(0, rows, o)
+            sel = [i for i, r in enumerate(level) if slot[r] >= 0]
+            if sel:
+                kept_rows = S if len(sel) == len(level) else S.index_select(0, torch.tensor(sel, device=x.device))
+                kept.index_copy_(0, torch.tensor([slot[level[i]] for i in sel], device=x.device), kept_rows)
+            prev = S
+        for seg, kept_seg, (off, win, parents) in zip(segments, keep, trees, strict=True):
+            lo, hi = seg.begin, seg.end
+            rule = None if kept_seg else (k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi])
+            states = kept[slot[lo] : slot[lo] + hi - lo] if kept_seg else None
+            seg.kv.set_pending(PendingRows(inputs[off : off + K - 1 + hi - lo], win, parents, states, rule))
 
         o = self.norm(out.to(x.dtype)) * F.silu(z.reshape(T, self.num_v_heads, self.v_dim).float())
         return self.out(o.to(x.dtype).reshape(T, self.num_v_heads * self.v_dim))

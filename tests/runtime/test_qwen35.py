@@ -7,6 +7,7 @@ import pytest
 import torch
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.kv_cache import HybridCache
 from dspark_grpc.runtime.linear_attention import parents_from_mask
 from dspark_grpc.runtime.transformer import SequenceInput, Transformer
 from dspark_grpc.runtime.tree import ancestor_mask, path_to_root, tree_depths
@@ -40,6 +41,11 @@ def ours(layout):
 
 def tokens(n: int, seed: int) -> list[int]:
     return random_tokens(n, seed, vocab_size=VOCAB)
+
+
+def new_cache(model: Transformer, keep_states: bool = True) -> HybridCache:
+    """keep_states=False: no row's state kept pending, every commit runs the delta rule again along its path."""
+    return HybridCache(model.config, 1024, pending_state_bytes=1 << 30 if keep_states else 0)
 
 
 def test_config_and_layout(layout, ours):
@@ -135,9 +141,10 @@ def _ar(model: Transformer, cache, first: int, steps: int) -> tuple[list[int], t
     return out, torch.stack(rows)
 
 
-def test_commit_of_a_side_path_then_ar_equals_ar_from_scratch(ours):
+@pytest.mark.parametrize("keep_states", [True, False], ids=["kept", "recomputed"])
+def test_commit_of_a_side_path_then_ar_equals_ar_from_scratch(ours, keep_states):
     prompt, tree = tokens(9, seed=7), tokens(len(PARENTS), seed=8)
-    cache = ours.new_cache()
+    cache = new_cache(ours, keep_states)
     prefill(ours, cache, prompt)
     logits, _ = verify_tree(ours, cache, tree, PARENTS)
     path = path_to_root(PARENTS, 8)  # 0 -> 1 -> 3 -> 6 -> 8: a side branch at depth 2
@@ -153,9 +160,10 @@ def test_commit_of_a_side_path_then_ar_equals_ar_from_scratch(ours):
     torch.testing.assert_close(got_logits, expected_logits, atol=AR_ATOL, rtol=0)
 
 
-def test_rollback_then_ar_equals_ar_from_scratch(ours):
+@pytest.mark.parametrize("keep_states", [True, False], ids=["kept", "recomputed"])
+def test_rollback_then_ar_equals_ar_from_scratch(ours, keep_states):
     prompt = tokens(11, seed=9)
-    cache = ours.new_cache()
+    cache = new_cache(ours, keep_states)
     logits, _ = prefill(ours, cache, prompt)
     chain = [int(logits.argmax())] + tokens(5, seed=10)
     verify_tree(ours, cache, chain, list(range(-1, 5)))
@@ -191,8 +199,8 @@ def test_batched_sessions_equal_each_alone(ours):
                 SequenceInput(torch.tensor(tree[:6]), torch.arange(caches[2].length, caches[2].length + 6),
                               caches[2], logits_rows=torch.tensor([2, 5]))]  # a prefill chunk
 
-    def fresh():
-        caches = [ours.new_cache() for _ in prompts]
+    def fresh():  # the tree's session recomputes its committed path's states, the others keep them
+        caches = [new_cache(ours, keep_states=i != 1) for i in range(len(prompts))]
         for c, p in zip(caches, prompts, strict=True):
             prefill(ours, c, p[:-1] if c is caches[0] else p)
         return caches
@@ -265,3 +273,14 @@ def test_bfloat16_model_decodes_with_float32_recurrent_state(layout):
     prefill(model, cache, tokens(8, seed=40))
     assert all(s.state.dtype == torch.float32 and s.conv.dtype == torch.bfloat16 for s in cache.linear.values())
     assert any(s.state.abs().sum() > 0 for s in cache.linear.values())
+
+
+def test_commit_refuses_rows_that_are_not_a_root_path_and_changes_nothing(ours):
+    cache = ours.new_cache()
+    prefill(ours, cache, [1, 2, 3])
+    verify_tree(ours, cache, tokens(len(PARENTS), seed=50), PARENTS)
+    layer = next(iter(cache.linear.values()))
+    state = layer.state.clone()
+    with pytest.raises(ValueError, match="root-to-node"):
+        cache.commit([0, 3])  # node 3's parent is node 1
+    assert cache.length == 3 and cache.pending == len(PARENTS) and torch.equal(layer.state, state)
