@@ -142,7 +142,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
                                                   proposal=proposal, budget=budget, kernel=kernel, proposer=proposer,
                                                   draft_timeout=draft_timeout))
-        client.wait_ready(timeout=600)
+        client.wait_ready(timeout=600, unreachable_after=15)
         info = client.model_info()
         config = {
             "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),

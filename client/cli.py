@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("dspark", str(e))
     except RequestError as e:
         fail("dspark", _request_failure(e.code, e.message))
-    except TimeoutError as e:
+    except (TimeoutError, ConnectionError) as e:
         fail("dspark", str(e))
     except ValueError as e:  # an SDK option the server or the SDK refused
         fail("dspark", str(e))

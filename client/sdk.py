@@ -208,12 +208,20 @@ class TargetClient:
         if self._draft_channel is not None:
             self._draft_channel.close()
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the target (and the drafter, if any) report SERVING."""
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, timeout: float = 120.0, unreachable_after: float | None = None) -> None:
+        """Block until the target (and the drafter, if any) report SERVING. A service still loading is waited for up
+        to `timeout`; with `unreachable_after`, an address where nothing answers at all for that long raises
+        ConnectionError instead."""
+        start = time.monotonic()
         for channel, address in ((self._channel, self.address), (self._draft_channel, self.drafter_address)):
-            while channel is not None and not _serving(channel):
-                if time.monotonic() > deadline:
+            answered = False
+            while channel is not None and not (state := _serving(channel)):
+                answered = answered or state is not None
+                waited = time.monotonic() - start
+                if unreachable_after is not None and not answered and waited > unreachable_after:
+                    raise ConnectionError(f"nothing answers at {address} after {unreachable_after:g} s: is the "
+                                          "service running there?")
+                if waited > timeout:
                     raise TimeoutError(f"{address} not SERVING after {timeout:g} s")
                 time.sleep(0.2)
 
@@ -311,11 +319,12 @@ def _check_options(mode: str, proposal: str, budget: int, kernel: str, proposer:
         raise ValueError(f"budget must be >= 0 (0 = the drafter's default), got {budget}")
 
 
-def _serving(channel: grpc.Channel) -> bool:
+def _serving(channel: grpc.Channel) -> bool | None:
+    """SERVING: True; answering but not (yet) serving: False; nothing answers: None."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-    except grpc.RpcError:
-        return False
+    except grpc.RpcError as e:
+        return None if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else False
     return status == health_pb2.HealthCheckResponse.SERVING

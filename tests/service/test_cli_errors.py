@@ -156,3 +156,11 @@ def test_the_default_model_is_named_as_users_know_it(target_address):
         assert client.model_info().model_name == "SmolLM2-135M-Instruct (Q4_1 GGUF)"
     assert model_display_name("m/model.gguf", "x") == "model (GGUF)"
     assert model_display_name("m/hf-dir", "Qwen3") == "Qwen3"
+
+
+def test_bench_against_an_address_where_nothing_answers_fails_instead_of_waiting(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    out = run("dspark", "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--modes", "ar", "--json",
+              str(tmp_path / "b.json"), "--target", NOBODY)
+    assert_one_line(out, 1, f"nothing answers at {NOBODY}", "is the service running")
