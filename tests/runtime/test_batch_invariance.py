@@ -1,0 +1,170 @@
+"""The fast precision is lossless by batch invariance: a row of an M-row (tree) verify computes bitwise what a
+1-row AR step computes, for every kernel on the path and for the whole forward (docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+from dspark_grpc.runtime.batch_invariant import attention_by_row, row_keys
+from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.linear import pack_weight, packed_matmul
+from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, int4_available
+from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.tree import ancestor_mask
+from runtime_helpers import random_tokens
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
+Q = gguf.GGMLQuantizationType
+ROWS = [*range(1, 17), 40]
+
+
+def quantized(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType = Q.Q4_1) -> QuantBlocks:
+    return QuantBlocks(qtype, torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype)), tuple(weight.shape))
+
+
+def assert_rows_invariant(run, x: torch.Tensor) -> None:
+    """run(x[:M]) row i == run(x[i:i+1]) bitwise for every M in ROWS."""
+    ones = torch.cat([run(x[i : i + 1]) for i in range(x.shape[0])])
+    for m in ROWS:
+        got = run(x[:m])
+        assert torch.equal(got, ones[:m]), (m, (got.float() - ones[:m].float()).abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+@pytest.mark.parametrize("shape", [(192, 576), (960, 576), (3072, 576), (576, 1536)])  # SmolLM2's projections
+def test_int4_matmul_rows_are_batch_invariant(qtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    weight = Int4Weight.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
+                           bias=torch.randn(shape[0], generator=g))
+    assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
+
+
+def test_bf16_packed_head_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(8192, 576, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN packing not available")
+    assert_rows_invariant(lambda x: packed_matmul(x, packed, None, 8192), torch.randn(max(ROWS), 576).bfloat16())
+
+
+def test_row_keys_are_prefixes_or_gathered_rows():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    keys = row_keys(mask)
+    assert keys[:2] == [2, 3] and keys[3] == 0
+    assert torch.equal(keys[2], torch.tensor([0, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_by_row_equals_one_row_steps(dtype):
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, committed = 9, 3, 64, 100
+    parents = [-1, 0, 1, 0, 3, 4, 2]  # two branches
+    n = len(parents)
+    k, v = (torch.randn(kv_heads, committed + n, dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(heads, n, dim, generator=g).to(dtype)
+    mask = torch.cat([torch.ones(n, committed, dtype=torch.bool), ancestor_mask(parents)], dim=1)
+    got = attention_by_row(q, k, v, row_keys(mask))
+    for i in range(n):
+        seen = mask[i].nonzero().flatten()
+        # an AR step sees the same rows, contiguous in a cache of another capacity
+        k1, v1 = (torch.empty(kv_heads, 512, dim, dtype=dtype) for _ in range(2))
+        k1[:, : len(seen)], v1[:, : len(seen)] = k[:, seen], v[:, seen]
+        one = F.scaled_dot_product_attention(q[None, :, i : i + 1], k1[None, :, : len(seen)], v1[None, :, : len(seen)],
+                                             enable_gqa=True)[0, :, 0]
+        assert torch.equal(got[:, i], one), i
+
+
+def fast_tiny_model(directory, qtype: gguf.GGMLQuantizationType) -> Transformer:
+    """A tiny random HF checkpoint with every projection quantized by the gguf package, loaded as the fast path."""
+    ckpt = load_checkpoint(directory, progress=False)
+    for name, w in list(ckpt.weights.items()):
+        if w.ndim == 2 and name != "tok_embeddings.weight":
+            ckpt.blocks[name] = quantized(w, qtype)
+            ckpt.weights[name] = torch.empty(w.shape, device="meta")
+    return inference_model(ckpt, "fast")
+
+
+def ar_steps(model: Transformer, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy AR, one 1-row forward per token, on a cache that grows while decoding: tokens[0] from the
+    prompt, then logits[i] -> tokens[i + 1]."""
+    cache = model.new_cache(initial_capacity=len(prompt) + 4)
+    logits, _ = prefill(model, cache, prompt)
+    tokens, rows = [int(logits.argmax())], []
+    for _ in range(steps):
+        step, _ = verify_tree(model, cache, [tokens[-1]], [-1])
+        commit_path(cache, [0])
+        rows.append(step[0])
+        tokens.append(int(step[0].argmax()))
+    return tokens, rows
+
+
+@pytest.mark.parametrize("name,qtype", [("qwen2", Q.Q4_1), ("qwen3", Q.Q4_0), ("llama3", Q.Q4_1)])
+def test_fast_forward_rows_equal_ar_steps(tiny_hf_models, name, qtype):
+    model = fast_tiny_model(tiny_hf_models[name], qtype)
+    prompt = random_tokens(200, seed=3)  # with ~40 rows of context CPU SDPA happens to be invariant: not a test
+    tokens, ar = ar_steps(model, prompt, 12)
+
+    def fresh_cache():
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        return cache
+
+    chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
+    for i in range(12):
+        assert torch.equal(chain[i], ar[i]), ("chain", i)
+    # a tree: a wrong first child before the right one, the AR path continues under the right one
+    wrong = (tokens[1] + 1) % model.config.vocab_size
+    tree, parents = [tokens[0], wrong, tokens[1], tokens[2], wrong, tokens[3]], [-1, 0, 0, 2, 3, 3]
+    logits, _ = verify_tree(model, fresh_cache(), tree, parents)
+    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+        assert torch.equal(logits[node], ar[step]), ("tree", node)
+    # the same tree batched with another session's verify in one forward (continuous batching)
+    other = fresh_cache()
+    prefill(model, other, random_tokens(7, seed=4))
+    outs = model.forward_batch([tree_input(other, tokens[5:9], [-1, 0, 1, 1]),
+                                tree_input(fresh_cache(), tree, parents)])
+    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+        assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
+
+
+@pytest.fixture(scope="module")
+def fast_engine(smollm2_path):
+    from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+
+    engine = TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=512), progress=False, precision="fast")
+    yield engine
+    engine.close()
+
+
+def test_smollm2_fast_greedy_speculation_equals_ar(fast_engine):
+    """Through the engine (batcher, sessions): every tree step emits AR's tokens from AR's logits, bitwise."""
+    story = "The lighthouse keeper counted the ships that passed each night and wrote their names in a book. "
+    prompt = [{"role": "user", "content": story * 8 + "Write a short poem about the sea."}]  # ~200 tokens
+    ar_session = fast_engine.open_session()
+    pending = fast_engine.prefill(ar_session, prompt).next_token
+    ar, ar_logits = [pending], []
+    for _ in range(20):
+        step = fast_engine.verify(ar_session, [ar[-1]], [-1], commit=True, return_logits=True)
+        ar_logits.append(step.logits[0])
+        ar.append(step.next_token)
+    assert len(set(ar)) > 5  # real text, not one repeated token
+
+    session = fast_engine.open_session()
+    assert fast_engine.prefill(session, prompt).next_token == ar[0]
+    emitted, pos = [ar[0]], 0
+    while pos + 3 < len(ar_logits):
+        wrong = (ar[pos + 1] + 1) % fast_engine.model.config.vocab_size
+        tree = [ar[pos], wrong, ar[pos + 1], ar[pos + 2], wrong]
+        step = fast_engine.verify(session, tree, [-1, 0, 0, 2, 3], commit=True, return_logits=True)
+        assert step.path == [0, 2, 3]
+        for node, offset in ((0, 0), (2, 1), (3, 2)):
+            assert torch.equal(step.logits[node], ar_logits[pos + offset]), (pos, node)
+        emitted += step.committed.emitted
+        pos += 3
+    assert emitted == ar[: len(emitted)] and len(emitted) == 19
+    for s in (ar_session, session):
+        fast_engine.release(s)
