@@ -68,23 +68,24 @@ class FusedProjection:
             if any(b is None for b in blocks):
                 return None
             return cls(None, None, tuple(layer.out_features for layer in layers),
-                       Int4Weight.of(blocks, layers[0].weight.dtype, _fused_bias(layers, layers[0].weight)))
+                       Int4Weight.of(blocks, layers[0].weight.dtype, _fused_bias(layers)))
         weight = torch.cat([layer.weight.detach() for layer in layers])
         packed = pack_weight(weight)
         if packed is None or any(layer.weight.requires_grad for layer in layers):
             return None
-        return cls(packed, _fused_bias(layers, weight), tuple(layer.out_features for layer in layers))
+        return cls(packed, _fused_bias(layers), tuple(layer.out_features for layer in layers))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = self.int4(x) if self.int4 is not None else packed_matmul(x, self.packed, self.bias, sum(self.sizes))
         return y.split(self.sizes, dim=-1)
 
 
-def _fused_bias(layers: Sequence[nn.Linear], like: torch.Tensor) -> torch.Tensor | None:
-    if all(layer.bias is None for layer in layers):
+def _fused_bias(layers: Sequence[nn.Linear]) -> torch.Tensor | None:
+    like = next((layer.bias for layer in layers if layer.bias is not None), None)
+    if like is None:
         return None
     return torch.cat([layer.bias.detach() if layer.bias is not None
-                      else torch.zeros(layer.out_features, dtype=like.dtype) for layer in layers])
+                      else like.new_zeros(layer.out_features) for layer in layers])
 
 
 class Linear(nn.Linear):
