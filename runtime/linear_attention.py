@@ -179,11 +179,15 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         prev = torch.stack([seg.kv.state for seg in segments])
         for level in levels:
-            rows = torch.tensor(level, device=x.device)
-            S, o = delta_rule(prev.index_select(0, torch.tensor([src[r] for r in level], device=x.device)),
-                              k.index_select(0, rows), v.index_select(0, rows), beta.index_select(0, rows),
-                              decay.index_select(0, rows), q.index_select(0, rows))
-            out.index_copy_(0, rows, o)
+            if T == len(segments):  # one row per segment (AR steps): every row, in order, from its segment's state
+                S, o = delta_rule(prev, k, v, beta, decay, q)
+                out = o
+            else:
+                rows = torch.tensor(level, device=x.device)
+                S, o = delta_rule(prev.index_select(0, torch.tensor([src[r] for r in level], device=x.device)),
+                                  k.index_select(0, rows), v.index_select(0, rows), beta.index_select(0, rows),
+                                  decay.index_select(0, rows), q.index_select(0, rows))
+                out.index_copy_(0, rows, o)
             sel = [i for i, r in enumerate(level) if slot[r] >= 0]
             if sel:
                 kept_rows = S if len(sel) == len(level) else S.index_select(0, torch.tensor(sel, device=x.device))
