@@ -244,6 +244,8 @@ class DraftEngine:
                                   f"{width[1]}] (rows, layers, target hidden size)")
         if not features.is_floating_point():
             raise InvalidArgument(f"capture rows must be bfloat16 (or float16/float32), not {features.dtype}")
+        if not bool(features.isfinite().all()):  # NaN/inf features give NaN draft probabilities
+            raise InvalidArgument("capture rows contain NaN or infinite values")
 
     def truncate(self, session_id: str, length: int) -> int:
         s = self.sessions.get(session_id)

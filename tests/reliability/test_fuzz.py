@@ -344,7 +344,10 @@ class Campaign:
         elif kind == "append":
             sid = self.pick(s)
             start, n = s.get(sid, 0), r.randint(1, 6)
-            rows = torch.randn(n, len(self.layers), self.t_info.hidden_size, generator=self.gen).to(torch.bfloat16)
+            rows = torch.randn(n, len(self.layers), self.t_info.hidden_size, generator=self.gen)
+            if r.random() < 0.15:  # hostile values in a well-formed tensor
+                rows[r.randrange(n)].view(-1)[r.randrange(rows[0].numel())] = r.choice([math.nan, math.inf, 3e38])
+            rows = rows.to(torch.bfloat16)
             capture = common_pb2.HiddenCapture(layer_ids=self.layers, start_position=start, rows=to_proto(rows))
             op = dict(append=draft_pb2.AppendContext(session_id=sid, start_position=start, capture=capture,
                                                      tokens=[r.randrange(49152) for _ in range(n)]))
