@@ -12,7 +12,7 @@ import grpc
 import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-from tests.reliability.conftest import Ops, Service, rss_mb, service, target_info
+from tests.reliability.conftest import Ops, Service, rss_mb, service, target_info, wait_until
 
 PER_PRINCIPAL = 3
 HANG_BOUND_S = 30.0  # only catches a hang; the measured times are in docs/RELIABILITY.md
@@ -193,6 +193,8 @@ def test_a_session_belongs_to_the_stream_that_opened_it(channel: grpc.Channel):
 
 
 def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.Channel):
+    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_BOUND_S,
+               "the earlier tests' streams released their sessions")
     mine = target_ops(channel)
     for _ in range(PER_PRINCIPAL):
         mine.ok(open=target_pb2.OpenSession())
@@ -204,7 +206,5 @@ def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.
     theirs.ok(open=target_pb2.OpenSession())
     mine.close()
     theirs.close()
-    deadline = time.monotonic() + HANG_BOUND_S
-    while target_info(target.address).live_sessions and time.monotonic() < deadline:
-        time.sleep(0.05)  # a stream's sessions are released when the server sees it end
-    assert target_info(target.address).live_sessions == 0
+    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_BOUND_S,
+               "a stream's sessions released when the server sees it end")
