@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 _LISTENING = re.compile(r"listening on (\S+:\d+)")
 _SERVING = re.compile(r"\bSERVING on ")
+_FAILED = re.compile(r"\bfailed to load: ")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -63,7 +64,7 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
                             preexec_fn=_die_with_parent if _own_children() else None)
     if process is not None:
         process.append(proc)
-    listening, serving = threading.Event(), threading.Event()
+    listening, serving, failed = threading.Event(), threading.Event(), threading.Event()
     address: list[str] = []
     last = collections.deque(maxlen=8)
 
@@ -74,6 +75,9 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
                 address.append(m.group(1))
                 listening.set()
             if _SERVING.search(line):
+                serving.set()
+            if _FAILED.search(line):
+                failed.set()
                 serving.set()
             if echo:
                 sys.stderr.write(f"  [{name}] {line}")
@@ -87,6 +91,9 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
             raise ServiceExited(name, proc.wait(), list(last))
         if wait_serving:
             _wait(serving, proc, serving_timeout, name, last, "did not report SERVING")
+        if failed.is_set():  # the service said so: do not wait for it to exit
+            _stop(proc, grace=5)
+            raise ServiceExited(name, proc.returncode, list(last))
         yield address[0]
     finally:
         _stop(proc)
@@ -105,11 +112,11 @@ def _wait(event: threading.Event, proc: subprocess.Popen, timeout: float, name: 
         raise ServiceExited(name, proc.returncode, list(last))
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
     if proc.poll() is None:
         proc.terminate()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -235,7 +235,7 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
         if loading.exception() is not None:
             print(f"{log_prefix} failed to load: {loading.exception()}", file=sys.stderr, flush=True)
             await server.stop(0)
-            raise SystemExit(1)
+            exit_now(1)  # a launcher waits for this process to end: no interpreter teardown that could hang
         for name in ("", service_name):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         print(f"{log_prefix} SERVING on {host}:{bound}", flush=True)
