@@ -479,3 +479,15 @@ def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Servi
         assert len(outputs[common_pb2.DECODE_MODE_AR]) == 24
         assert outputs[common_pb2.DECODE_MODE_SPECULATION] == outputs[common_pb2.DECODE_MODE_AR]
         assert stats.fallback_reason == "", stats  # it did speculate
+
+
+def test_a_dspark_drafter_append_past_its_context_is_resource_exhausted(fuzz_drafter: Service):
+    with grpc.insecure_channel(fuzz_drafter.address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        info = stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=DEADLINE_S)
+        ops = Ops(stub.DraftSession, draft_pb2.DraftSessionRequest, timeout=DEADLINE_S)
+        sid = ops.ok(open=draft_pb2.OpenDraft(target=info.target)).session_id
+        response = ops(append=draft_pb2.AppendContext(session_id=sid, start_position=0, tokens=[1] * (1 << 20)))
+        assert response.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], response.status.message
+        assert "holds at most" in response.status.message
+        ops.close()
