@@ -153,8 +153,9 @@ class LinearState:
     state [Hv, dk, dv] (float32) and conv window [K-1, C], and the last forward's rows, pending until a commit.
 
     The pending rows keep every row's state while that costs at most `budget` bytes (drafts and AR steps); above
-    it (a long prefill chunk, a large tree) they keep the delta rule's per-row inputs instead, and a commit runs
-    the rule again along the committed path (a few small ops per row, against T states held in memory)."""
+    it (a large tree, a long chain draft) they keep the delta rule's per-row inputs instead, and a commit runs the
+    rule again along the committed path (a few small ops per row, against T states held in memory). A long chain
+    run in chunks (a prefill chunk) keeps only its last rows' states: enough to commit it whole."""
 
     def __init__(self, num_v_heads: int, k_dim: int, v_dim: int, conv_dim: int, kernel: int, dtype: torch.dtype,
                  device: torch.device | str | None, budget: int) -> None:
@@ -169,7 +170,8 @@ class LinearState:
     def set_pending(self, pending: PendingRows) -> None:
         T = len(pending.parents)
         assert pending.windows.shape == (T, self.conv.shape[0] + 1), (pending.windows.shape, T)
-        assert pending.states is None or pending.states.shape == (T, *self.state.shape), pending.states.shape
+        assert pending.states is None or pending.states.shape == (T - pending.first_state, *self.state.shape), (
+            pending.states.shape, T)
         self.pending = pending
 
     def path_states(self, path: Sequence[int], last: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -181,8 +183,8 @@ class LinearState:
             raise ValueError(f"rows {list(path)} are not a root-to-node path of the pending rows {p.parents}: a "
                              "linear-attention layer can only commit one")
         tail = list(path[len(path) - last :]) if last else []
-        if p.states is not None:
-            states = [p.states[r] for r in tail]
+        if p.states is not None and all(r >= p.first_state for r in tail):
+            states = [p.states[r - p.first_state] for r in tail]
         else:
             assert p.rule is not None
             states, S = [], self.state[None]

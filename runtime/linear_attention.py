@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from .transformer import Segment
 
 
+CHUNKED_MIN_ROWS = 64  # a chain this long (plus TAIL) runs the chunked form of the delta rule
+TAIL = 8  # a chunked chain's last rows run one at a time, their states kept (a commit's and the snapshots')
+
+
 def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
@@ -89,6 +93,37 @@ def delta_rule(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     return S, None if q is None else torch.matmul(q.unsqueeze(-2), S).squeeze(-2)
 
 
+def chunk_delta_rule(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                     g: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over a chain of T rows from state S [Hv, dk, dv] in chunks of `chunk` rows (transformers'
+    torch_chunk_gated_delta_rule, the WY/UT form): q/k [T, Hv, dk] (normed, q scaled), v [T, Hv, dv], beta and
+    g = log decay [T, Hv]. Returns the outputs [T, Hv, dv] and the state after the last row."""
+    T = q.shape[0]
+    assert k.shape == q.shape and v.shape[:2] == beta.shape == g.shape == q.shape[:2] and T > 0, (q.shape, g.shape)
+    pad = (chunk - T % chunk) % chunk
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (q, k, v))  # [Hv, T + pad, d]
+    beta, g = (F.pad(t.transpose(0, 1), (0, pad)) for t in (beta, g))
+    H, n = q.shape[0], (T + pad) // chunk
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(H, n, chunk, t.shape[-1]) for t in (q, k, k_beta, v_beta))
+    cum = g.reshape(H, n, chunk).cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_v)
+    for i in range(n):
+        v_i = new_v[:, i] - k_cum[:, i] @ S
+        out[:, i] = q[:, i] @ S + intra[:, i] @ v_i
+        S = S * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_i
+    return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), S
+
+
 @dataclass
 class PendingRows:
     """A forward's new rows in one linear-attention layer of one sequence, until a commit keeps a path of them."""
@@ -96,8 +131,9 @@ class PendingRows:
     inputs: torch.Tensor  # [K-1 + T, C]: the committed conv window, then the rows' pre-conv q/k/v projection
     windows: torch.Tensor  # [T, K]: row r's conv window as indices into `inputs`
     parents: list[int]
-    states: torch.Tensor | None  # [T, Hv, dk, dv] each row's state, or None: recompute a path from `rule`
+    states: torch.Tensor | None  # [T - first_state, Hv, dk, dv] the states of rows first_state.., or None
     rule: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # the rows' k, v, beta, decay
+    first_state: int = 0  # rows before it have no state kept: a path's states are recomputed from `rule`
 
 
 class GatedDeltaNet(nn.Module):
@@ -158,26 +194,43 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
             k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
         beta = b.sigmoid().float()
-        decay = (self.A.float() * F.softplus(a.float() + self.dt_bias)).exp()
+        g = self.A.float() * F.softplus(a.float() + self.dt_bias)  # log of the decay
+        decay = g.exp()
 
-        # The delta rule one tree level at a time, over every segment's rows at that depth: a level starts from
-        # the level above (or, at depth 0, its segment's committed state), so only two levels' states are live,
-        # plus the rows' states of the segments whose cache keeps them pending (LinearState.keeps_states).
+        # A long chain (a prefill chunk) runs the chunked form over all but its last TAIL rows; those and every other
+        # row go one tree level at a time, over every segment's rows at that depth: a level starts from the level
+        # above (or, at depth 0, its segment's state), so only two levels' states are live, plus the rows' states
+        # that the cache keeps pending (LinearState.keeps_states; a chunked chain's last TAIL rows).
+        out = torch.empty_like(v)
+        init = [seg.kv.state for seg in segments]
+        first = [0] * len(segments)  # a segment's first row for the level loop, and its first row with a state
+        for s, seg in enumerate(segments):
+            lo, n = seg.begin, seg.end - seg.begin
+            if n >= CHUNKED_MIN_ROWS + TAIL and trees[s][2] == chain_parents(n):
+                m = first[s] = n - TAIL
+                out[lo : lo + m], init[s] = chunk_delta_rule(init[s], q[lo : lo + m], k[lo : lo + m],
+                                                             v[lo : lo + m], beta[lo : lo + m], g[lo : lo + m])
+                for r in range(lo, lo + m):
+                    depth[r] = -1
+                for r in range(lo + m, lo + n):
+                    depth[r] -= m
+                parent[lo + m] = -1
+        keep = [first[s] > 0 or seg.kv.keeps_states(seg.end - seg.begin) for s, seg in enumerate(segments)]
         levels: list[list[int]] = [[] for _ in range(max(depth) + 1)]
         pos = [0] * T
         for r, d in enumerate(depth):
-            pos[r] = len(levels[d])
-            levels[d].append(r)
+            if d >= 0:
+                pos[r] = len(levels[d])
+                levels[d].append(r)
         src = [seg_of[r] if parent[r] < 0 else pos[parent[r]] for r in range(T)]
-        keep = [seg.kv.keeps_states(seg.end - seg.begin) for seg in segments]
         slot, n_kept = [-1] * T, 0
-        for seg, kept_seg in zip(segments, keep, strict=True):
-            if kept_seg:
-                slot[seg.begin : seg.end] = range(n_kept, n_kept + seg.end - seg.begin)
-                n_kept += seg.end - seg.begin
+        for s, seg in enumerate(segments):
+            if keep[s]:
+                rows = range(seg.begin + first[s], seg.end)
+                slot[rows.start : rows.stop] = range(n_kept, n_kept + len(rows))
+                n_kept += len(rows)
         kept = x.new_empty((n_kept, self.num_v_heads, self.k_dim, self.v_dim), dtype=torch.float32)
-        out = torch.empty_like(v)
-        prev = torch.stack([seg.kv.state for seg in segments])
+        prev = torch.stack(init)
         for level in levels:
             if T == len(segments):  # one row per segment (AR steps): every row, in order, from its segment's state
                 S, o = delta_rule(prev, k, v, beta, decay, q)
@@ -193,11 +246,11 @@ class GatedDeltaNet(nn.Module):
                 kept_rows = S if len(sel) == len(level) else S.index_select(0, torch.tensor(sel, device=x.device))
                 kept.index_copy_(0, torch.tensor([slot[level[i]] for i in sel], device=x.device), kept_rows)
             prev = S
-        for seg, kept_seg, (off, win, parents) in zip(segments, keep, trees, strict=True):
+        for s, (seg, (off, win, parents)) in enumerate(zip(segments, trees, strict=True)):
             lo, hi = seg.begin, seg.end
-            rule = None if kept_seg else (k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi])
-            states = kept[slot[lo] : slot[lo] + hi - lo] if kept_seg else None
-            seg.kv.set_pending(PendingRows(inputs[off : off + K - 1 + hi - lo], win, parents, states, rule))
+            states = kept[slot[lo + first[s]] : slot[lo + first[s]] + hi - lo - first[s]] if keep[s] else None
+            rule = None if keep[s] and not first[s] else (k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi])
+            seg.kv.set_pending(PendingRows(inputs[off : off + K - 1 + hi - lo], win, parents, states, rule, first[s]))
 
         o = self.norm(out.to(x.dtype)) * F.silu(z.reshape(T, self.num_v_heads, self.v_dim).float())
         return self.out(o.to(x.dtype).reshape(T, self.num_v_heads * self.v_dim))

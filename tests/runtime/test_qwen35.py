@@ -284,3 +284,29 @@ def test_commit_refuses_rows_that_are_not_a_root_path_and_changes_nothing(ours):
     with pytest.raises(ValueError, match="root-to-node"):
         cache.commit([0, 3])  # node 3's parent is node 1
     assert cache.length == 3 and cache.pending == len(PARENTS) and torch.equal(layer.state, state)
+
+
+def test_long_prompt_runs_the_chunked_rule_and_matches_hf(layout, ours):
+    """150 rows: the chunked form over the first 142 (two 64-row chunks, one padded), then the last 8 one by one."""
+    _, _, hf = layout
+    ids = tokens(150, seed=60)
+    got = ours(torch.tensor(ids), torch.arange(len(ids)), ours.new_cache()).logits
+    expected, _ = hf_logits(hf, ids)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    generated, step_logits = greedy_decode(ours, ids, 8)  # prefill commits the chunked chain whole, then AR
+    expected, _ = hf_logits(hf, ids + generated[:-1])
+    torch.testing.assert_close(step_logits, expected[len(ids) - 1 :], atol=ATOL, rtol=0)
+
+
+def test_prefix_of_a_long_chunked_chain_commits_then_ar_equals_ar_from_scratch(ours):
+    prompt, chain = tokens(10, seed=61), tokens(90, seed=62)
+    cache = ours.new_cache()
+    prefill(ours, cache, prompt)
+    verify_tree(ours, cache, chain, list(range(-1, len(chain) - 1)))
+    commit_path(cache, list(range(40)))  # rows without kept states: recomputed along the path
+    got, got_logits = _ar(ours, cache, chain[40], 8)
+    fresh = ours.new_cache()
+    prefill(ours, fresh, prompt + chain[:40])
+    expected, expected_logits = _ar(ours, fresh, chain[40], 8)
+    assert got == expected
+    torch.testing.assert_close(got_logits, expected_logits, atol=AR_ATOL, rtol=0)
