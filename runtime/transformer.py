@@ -219,8 +219,8 @@ class Transformer(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.packed_lm_head: torch.Tensor | None = None
-        # A masked (verify) row's attention runs alone, so that it equals a 1-row step bitwise (runtime/
-        # batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
+        # Verify rows and AR steps attend row by row, so that a verify row equals its 1-row step bitwise
+        # (runtime/batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
         self.batch_invariant = False
         self.init_rope()
 
@@ -307,7 +307,10 @@ class Transformer(nn.Module):
                 mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device),
                                   b.new_rows_mask.to(self.device)], dim=1)
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
-            keys.append(row_keys(mask) if self.batch_invariant and mask is not None else None)
+            if self.batch_invariant:  # verify rows and AR steps attend row by row; a prompt chunk does not
+                keys.append(row_keys(mask) if mask is not None else [start + 1] if T == 1 else None)
+            else:
+                keys.append(None)
             bounds.append((begin, begin + T))
             begin += T
         tokens = torch.cat([b.tokens for b in batch]).to(self.device)

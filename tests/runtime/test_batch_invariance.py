@@ -58,10 +58,11 @@ def test_row_keys_are_prefixes_or_gathered_rows():
     assert torch.equal(keys[2], torch.tensor([0, 3]))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_by_row_equals_one_row_steps(dtype):
+@pytest.mark.parametrize("committed", [100, 60])  # 60: rows of one tree fall in two padded lengths
+def test_attention_by_row_equals_one_row_steps(committed):
+    dtype = torch.bfloat16  # the fast precision's; float32 SDPA with 2 threads differs between batch sizes
     g = torch.Generator().manual_seed(2)
-    heads, kv_heads, dim, committed = 9, 3, 64, 100
+    heads, kv_heads, dim = 9, 3, 64
     parents = [-1, 0, 1, 0, 3, 4, 2]  # two branches
     n = len(parents)
     k, v = (torch.randn(kv_heads, committed + n, dim, generator=g).to(dtype) for _ in range(2))
@@ -70,12 +71,14 @@ def test_attention_by_row_equals_one_row_steps(dtype):
     got = attention_by_row(q, k, v, row_keys(mask))
     for i in range(n):
         seen = mask[i].nonzero().flatten()
-        # an AR step sees the same rows, contiguous in a cache of another capacity
-        k1, v1 = (torch.empty(kv_heads, 512, dim, dtype=dtype) for _ in range(2))
+        # the AR step of this row sees the same rows, contiguous in a cache of another capacity
+        k1, v1 = (torch.full((kv_heads, 512, dim), 7.0, dtype=dtype) for _ in range(2))
         k1[:, : len(seen)], v1[:, : len(seen)] = k[:, seen], v[:, seen]
-        one = F.scaled_dot_product_attention(q[None, :, i : i + 1], k1[None, :, : len(seen)], v1[None, :, : len(seen)],
-                                             enable_gqa=True)[0, :, 0]
-        assert torch.equal(got[:, i], one), i
+        step = attention_by_row(q[:, i : i + 1], k1[:, : len(seen)], v1[:, : len(seen)], [len(seen)])
+        assert torch.equal(got[:, i], step[:, 0]), i
+        plain = F.scaled_dot_product_attention(q[None, :, i : i + 1], k[None, :, seen], v[None, :, seen],
+                                               enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(got[:, i], plain, atol=1e-3, rtol=2e-2)  # and it is attention
 
 
 def fast_tiny_model(directory, qtype: gguf.GGMLQuantizationType) -> Transformer:

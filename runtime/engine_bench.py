@@ -1,0 +1,86 @@
+"""`python -m dspark_grpc.runtime.engine_bench`: ms per target forward for 1/2/4/8/16 verify rows per precision.
+
+Each variant is timed by the start-up profiler itself (cost_profile.profile_target: a chain verify of M rows on
+top of `--context` committed rows, sizes interleaved), `--rounds` times with the variants interleaved (a busy
+machine then slows every variant alike); the median over rounds is printed. Also the aten calls of one eager
+1-row forward (an AR step), counted with a TorchDispatchMode. "fast, rows attend together" is the fast precision
+with SDPA over all rows of a verify at once: faster, but not batch invariant (not lossless), shown for its cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from .cost_profile import profile_target
+from .decode import prefill, tree_input
+from .linear import matmul_kind
+from .transformer import Transformer
+
+
+class _CountCalls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_torch_calls(model: Transformer, context: int) -> Counter[str]:
+    """aten calls (by op) of one 1-row forward on top of `context` committed rows."""
+    cache = model.new_cache()
+    prefill(model, cache, torch.randint(model.config.vocab_size, (context,)).tolist())
+    with _CountCalls() as mode:
+        model.forward_batch([tree_input(cache, [0], [-1])])
+    return mode.calls
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dspark_grpc.runtime.engine_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a .gguf file or an HF directory; default: the embedded SmolLM2 GGUF")
+    p.add_argument("--precisions", default=",".join(PRECISIONS))
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--context", type=int, default=200, help="committed rows under each verify")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per size and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else default_model_path()
+    rows = [int(r) for r in args.rows.split(",")]
+    variants: dict[str, Transformer] = {}
+    for precision in args.precisions.split(","):
+        model = inference_model(load_checkpoint(path, progress=False, precision=precision), precision)
+        variants[f"{precision} ({model.dtype}, {matmul_kind(model)})"] = model
+        if model.batch_invariant:
+            shared = inference_model(load_checkpoint(path, progress=False, precision=precision), precision)
+            shared.batch_invariant = False
+            variants[f"{precision}, rows attend together (NOT lossless)"] = shared
+    ms: dict[str, list[list[float]]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, model in variants.items():
+            table = profile_target(model, rows, repeats=args.repeats, context=args.context)
+            raw = table.measured or table.seconds  # before the table's running max
+            ms[name].append([s * 1e3 for size, s in zip(table.sizes, raw, strict=True) if size in rows])
+    print(f"{path.name}, {args.threads} threads, {args.context} committed rows, compile off (eager); ms per forward, "
+          f"median of {args.rounds} rounds x {args.repeats} repeats")
+    print(f"| variant | {' | '.join(f'{r} rows' for r in rows)} | aten calls per 1-row forward (top ops) |")
+    print(f"|---|{'---|' * len(rows)}---|")
+    for name, model in variants.items():
+        cells = [f"{statistics.median(r[i] for r in ms[name]):.1f}" for i in range(len(rows))]
+        calls = count_torch_calls(model, args.context)
+        top = ", ".join(f"{op} {n}" for op, n in calls.most_common(4))
+        print(f"| {name} | {' | '.join(cells)} | {calls.total()} ({top}) |")
+
+
+if __name__ == "__main__":
+    main()
