@@ -7,12 +7,14 @@ import hashlib
 import hmac
 import inspect
 import ipaddress
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+log = logging.getLogger("dspark.security")
 
 
 @dataclass(frozen=True)
@@ -112,14 +114,16 @@ class Guard(grpc.aio.ServerInterceptor):
             return None
         if self.tokens and not details.method.startswith(HEALTH_PREFIX) and \
                 not self.authorized(details.invocation_metadata):
-            return _wrap(handler, refuse=(grpc.StatusCode.UNAUTHENTICATED,
-                                          "missing or wrong bearer token: send the metadata 'authorization: Bearer "
-                                          "TOKEN' with a token of the server's --auth-token-file"))
-        return _wrap(handler)
+            return _wrap(handler, details.method, refuse=(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token: send the metadata 'authorization: "
+                "Bearer TOKEN' with a token of the server's --auth-token-file"))
+        return _wrap(handler, details.method)
 
 
-def _wrap(handler: grpc.RpcMethodHandler, refuse: tuple[grpc.StatusCode, str] | None = None) -> grpc.RpcMethodHandler:
-    """The same handler with a deserializer that never raises, refusing undecodable requests (or every call)."""
+def _wrap(handler: grpc.RpcMethodHandler, method: str,
+          refuse: tuple[grpc.StatusCode, str] | None = None) -> grpc.RpcMethodHandler:
+    """The same handler with a deserializer that never raises, refusing undecodable requests (or every call); each
+    refusal is one log line."""
     decode = handler.request_deserializer
 
     def safe_decode(data: bytes):
@@ -130,8 +134,10 @@ def _wrap(handler: grpc.RpcMethodHandler, refuse: tuple[grpc.StatusCode, str] | 
 
     async def check(request, context) -> None:
         if refuse is not None:
+            log.info("%s refused: %s (peer %s)", method, refuse[0].name, context.peer())
             await context.abort(*refuse)
         if isinstance(request, _Undecodable):
+            log.info("%s refused: INVALID_ARGUMENT: %s", method, request.message[:300])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
     async def checked_stream(requests, context):
