@@ -202,9 +202,12 @@ class TargetEngine:
         self._check_capture_size(s, len(ids), max_capture_bytes, "a prefill")
         s.sampling = sampling or SamplingParams()
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
+        def forward(inp: SequenceInput) -> ForwardOutput:
+            self.sessions.get(session_id)  # released meanwhile (its stream ended): no further chunk is run
+            return self._forward(inp, then=wire_captures)
+
         with s.lock:
-            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers,
-                                       forward=lambda inp: self._forward(inp, then=wire_captures))
+            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=forward)
             next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
                                                                    s.generator))[1])
         s.tokens = [*ids, next_token]

@@ -208,3 +208,29 @@ def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.
     theirs.close()
     wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_BOUND_S,
                "a stream's sessions released when the server sees it end")
+
+
+def test_a_prefill_stops_between_chunks_once_its_session_is_released(smollm2_path):
+    """A stream that ends (cancelled, deadline) releases its sessions; a long prefill under way runs no further
+    chunk (decode.prefill runs 512 rows per forward). Forced: the first chunk's forward releases the session."""
+    from dspark_grpc.runtime.errors import NotFound
+    from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+
+    engine = TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=2048), progress=False)
+    try:
+        sid = engine.open_session()
+        forwards = []
+        run = engine._forward
+
+        def forward_then_release(inp, *args, **kwargs):
+            forwards.append(inp.tokens.shape[0])
+            out = run(inp, *args, **kwargs)
+            engine.release(sid)
+            return out
+
+        engine._forward = forward_then_release
+        with pytest.raises(NotFound):
+            engine.prefill(sid, [1] * 1500)  # three chunks
+        assert forwards == [512]
+    finally:
+        engine.close()
