@@ -1,7 +1,8 @@
 """In-process AR speed of a random qwen3_5 hybrid (Gated DeltaNet + gated attention) vs a Llama of the same
 shape (hidden size, layers, heads, MLP, vocabulary): tokens/s of greedy AR (one verify + commit per token, packed
 weights), each model timed in alternation, median of the repeats. Timed by the process's CPU time (one torch thread
-by default), so that other work on a shared machine does not count; wall-clock figures are printed too. Usage:
+by default), so that other work on a shared machine does not count; wall-clock figures are printed too. Also
+the CPU seconds of prefilling a 256-token prompt (one forward). Usage:
 
     .venv/bin/python docs/bench/hybrid_ar_speed.py [--threads 1] [--steps 128] [--repeats 5]
 """
@@ -55,6 +56,13 @@ def ar_tokens_per_second(model: Transformer, steps: int) -> tuple[float, float]:
     return steps / (time.process_time() - c0), steps / (time.perf_counter() - t0)
 
 
+def prefill_cpu_seconds(model: Transformer, tokens: int = 256) -> float:
+    cache = model.new_cache(max_length=tokens)
+    c0 = time.process_time()
+    prefill(model, cache, [100 + i % 1000 for i in range(tokens)])
+    return time.process_time() - c0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=1)
@@ -74,6 +82,9 @@ def main() -> None:
                     runs[kind].append(ar_tokens_per_second(model, args.steps))
             cpu = {kind: statistics.median(r[0] for r in rs) for kind, rs in runs.items()}
             wall = {kind: statistics.median(r[1] for r in rs) for kind, rs in runs.items()}
+            pre = {kind: statistics.median(prefill_cpu_seconds(m) for _ in range(args.repeats))
+                   for kind, m in models.items()}
+            print(f"{name}: prefill of 256 tokens: llama {pre['llama']:.3f}, qwen35 {pre['qwen35']:.3f} CPU s")
             print(f"{name}: llama {cpu['llama']:.0f}, qwen35 {cpu['qwen35']:.0f} tokens per CPU second "
                   f"(qwen35/llama {cpu['qwen35'] / cpu['llama']:.2f}); wall: llama {wall['llama']:.0f}, qwen35 "
                   f"{wall['qwen35']:.0f} tok/s", flush=True)
