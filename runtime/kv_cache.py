@@ -192,7 +192,8 @@ class LinearState:
                 S, _ = delta_rule(S, *(t[r : r + 1] for t in p.rule))
                 if j >= len(path) - len(tail):
                     states.append(S[0])
-        return [(S.clone(), p.inputs.index_select(0, p.windows[r, 1:])) for S, r in zip(states, tail, strict=True)]
+        windows = p.windows.to(p.inputs.device)
+        return [(S.clone(), p.inputs.index_select(0, windows[r, 1:])) for S, r in zip(states, tail, strict=True)]
 
     def reset(self) -> None:
         self.state, self.conv = torch.zeros_like(self.state), torch.zeros_like(self.conv)
