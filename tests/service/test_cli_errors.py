@@ -118,6 +118,7 @@ def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
+    children: list[psutil.Process] = []
     try:
         _wait_for(lines, proc, "listening on", 120)
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -130,9 +131,12 @@ def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
         assert "Traceback" not in err and "dspark: error: interrupted" in err
         gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive
-    finally:
-        for p in psutil.Process(os.getpid()).children(recursive=True):
-            p.kill()
+    finally:  # only what this test started: the session's services are children of this process too
+        for p in children:
+            if p.is_running():
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_launcher_fails_at_once_when_its_service_dies(tmp_path):
