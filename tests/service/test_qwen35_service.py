@@ -25,10 +25,11 @@ def stack(tmp_path_factory, smollm2_path) -> tuple[str, str]:
     """(target address, drafter address): the 'every4' layout at SmolLM2's vocabulary, with its tokenizer."""
     directory = make_qwen35(tmp_path_factory.mktemp("qwen35_service"), "every4", 49152, seed=5)
     TextTokenizer.from_gguf(smollm2_path).save(directory)
-    with local_target(["--model", str(directory), "--no-cost-profile", "--quiet"], echo=False) as target:
+    quick = ["--no-cost-profile", "--grace", "1", "--quiet"]
+    with local_target(["--model", str(directory), *quick], echo=False) as target:
         with TargetClient(target) as probe:
             probe.wait_ready(300)
-        drafter_args = ["--drafter", "random", "--target-model", str(directory), "--no-cost-profile", "--quiet"]
+        drafter_args = ["--drafter", "random", "--target-model", str(directory), *quick]
         with local_drafter(drafter_args, echo=False) as drafter:
             with TargetClient(drafter) as probe:
                 probe.wait_ready(300)
@@ -91,10 +92,10 @@ def test_seeded_speculative_sampling_is_reproducible(stack, proposal):
     with TargetClient(target, drafter=drafter) as client:
         a = client.generate(PROMPTS[0], seed=11, **kwargs)
         b = client.generate(PROMPTS[0], seed=11, **kwargs)
-        others = {tuple(client.generate(PROMPTS[0], seed=s, **kwargs).token_ids) for s in (12, 13)}
+        other = client.generate(PROMPTS[0], seed=12, **kwargs)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
     assert a.stats.speculative_steps > 0 and a.stats.fallback_reason == ""
-    assert len(others | {tuple(a.token_ids)}) > 1
+    assert other.token_ids != a.token_ids  # the seed matters: a random target's sampled continuations differ
 
 
 def test_concurrent_sessions_batched_equal_alone(stack):
