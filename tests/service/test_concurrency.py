@@ -54,20 +54,22 @@ def _verify_costs(address: str) -> list:
         channel.close()
 
 
-def test_cost_tables_are_published_monotone_and_reloaded_on_the_second_start(tmp_path):
+def test_cost_tables_are_published_monotone_and_are_what_the_cache_holds(tmp_path):
+    """Two starts on one cache: each publishes monotone tables (in rows and in sessions) equal to the cache's files.
+    Whether the second start reused them depends on a timing spot check (tests/test_cost_table.py tests reuse and
+    re-profiling deterministically, on a fake spot check)."""
+    from dspark_grpc.client.cost_table import CostTable, lanes_problem
+
     cache = tmp_path / "costs"
-    tables = []
     for _ in range(2):
         with local_target(["--cost-cache", str(cache), "--quiet"], echo=False) as address:
             with TargetClient(address) as client:
                 client.wait_ready(timeout=300)
-            tables.append(_verify_costs(address))
-            files = sorted(cache.iterdir())
-    first, second = tables
-    assert [t.lanes for t in first] == [1, 2, 4, 8]
-    for t in first:
-        assert list(t.sizes) == [1, 2, 4, 8, 16]
-        assert all(a <= b for a, b in zip(t.seconds, t.seconds[1:], strict=False)) and t.seconds[0] > 0
-    # measured timings never repeat to the last bit: equal tables mean the second start read the first's files
-    assert [list(t.seconds) for t in second] == [list(t.seconds) for t in first]
-    assert len(files) == 4
+            published = _verify_costs(address)
+        assert [t.lanes for t in published] == [1, 2, 4, 8]
+        for t in published:
+            assert list(t.sizes) == [1, 2, 4, 8, 16]
+            assert all(a <= b for a, b in zip(t.seconds, t.seconds[1:], strict=False)) and t.seconds[0] > 0
+        cached = sorted((CostTable.load(f) for f in cache.iterdir()), key=lambda t: t.key.lanes)
+        assert len(cached) == 4 and lanes_problem(cached) is None
+        assert [list(t.seconds) for t in published] == [t.seconds for t in cached]
