@@ -24,6 +24,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .linear import FusedProjection, Linear
+from .tree import ancestor_mask, tree_depths
 
 if TYPE_CHECKING:
     from .transformer import Segment
@@ -46,11 +47,7 @@ def parents_from_mask(new_rows: torch.Tensor, committed: torch.Tensor | None = N
     idx = torch.arange(T)
     earlier = new_rows.cpu() & (idx[None, :] < idx[:, None])
     parents = ((earlier * (idx + 1)[None, :]).amax(dim=1) - 1).tolist() if T > 1 else [-1]
-    expected = torch.eye(T, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            expected[i] |= expected[p]
-    if not torch.equal(expected, new_rows.cpu()) or (committed is not None and not bool(committed.all())):
+    if not torch.equal(ancestor_mask(parents), new_rows.cpu()) or (committed is not None and not bool(committed.all())):
         raise ValueError("models with linear-attention layers need a tree mask: every committed row visible and "
                          "each new row attending to itself and its ancestors (a root-to-node path)")
     return parents
@@ -67,13 +64,6 @@ def window_index(parents: Sequence[int], kernel: int) -> torch.Tensor:
     for i, p in enumerate(parents):
         rows.append((rows[p] if p >= 0 else root)[1:] + [kernel - 1 + i])
     return torch.tensor(rows, dtype=torch.long)
-
-
-def tree_levels(parents: Sequence[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -180,7 +170,7 @@ class GatedDeltaNet(nn.Module):
             index.append(trees[-1][1] + offset)
             offset += K - 1 + n
             parent += [seg.begin + p if p >= 0 else -1 for p in parents]
-            depth += tree_levels(parents)
+            depth += tree_depths(parents)
             seg_of += [s] * n
         inputs = torch.cat(pieces)
         windows = inputs.index_select(0, torch.cat(index).view(-1).to(x.device)).view(T, K, self.conv_dim)
@@ -195,62 +185,73 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
         beta = b.sigmoid().float()
         g = self.A.float() * F.softplus(a.float() + self.dt_bias)  # log of the decay
-        decay = g.exp()
 
-        # A long chain (a prefill chunk) runs the chunked form over all but its last TAIL rows; those and every other
-        # row go one tree level at a time, over every segment's rows at that depth: a level starts from the level
-        # above (or, at depth 0, its segment's state), so only two levels' states are live, plus the rows' states
-        # that the cache keeps pending (LinearState.keeps_states; a chunked chain's last TAIL rows).
-        out = torch.empty_like(v)
-        init = [seg.kv.state for seg in segments]
-        first = [0] * len(segments)  # a segment's first row for the level loop, and its first row with a state
-        for s, seg in enumerate(segments):
-            lo, n = seg.begin, seg.end - seg.begin
-            if n >= CHUNKED_MIN_ROWS + TAIL and trees[s][2] == chain_parents(n):
-                m = first[s] = n - TAIL
-                out[lo : lo + m], init[s] = chunk_delta_rule(init[s], q[lo : lo + m], k[lo : lo + m],
-                                                             v[lo : lo + m], beta[lo : lo + m], g[lo : lo + m])
-                for r in range(lo, lo + m):
-                    depth[r] = -1
-                for r in range(lo + m, lo + n):
-                    depth[r] -= m
-                parent[lo + m] = -1
-        keep = [first[s] > 0 or seg.kv.keeps_states(seg.end - seg.begin) for s, seg in enumerate(segments)]
-        levels: list[list[int]] = [[] for _ in range(max(depth) + 1)]
-        pos = [0] * T
-        for r, d in enumerate(depth):
-            if d >= 0:
-                pos[r] = len(levels[d])
-                levels[d].append(r)
-        src = [seg_of[r] if parent[r] < 0 else pos[parent[r]] for r in range(T)]
-        slot, n_kept = [-1] * T, 0
-        for s, seg in enumerate(segments):
-            if keep[s]:
-                rows = range(seg.begin + first[s], seg.end)
-                slot[rows.start : rows.stop] = range(n_kept, n_kept + len(rows))
-                n_kept += len(rows)
-        kept = x.new_empty((n_kept, self.num_v_heads, self.k_dim, self.v_dim), dtype=torch.float32)
-        prev = torch.stack(init)
-        for level in levels:
-            if T == len(segments):  # one row per segment (AR steps): every row, in order, from its segment's state
-                S, o = delta_rule(prev, k, v, beta, decay, q)
-                out = o
-            else:
-                rows = torch.tensor(level, device=x.device)
-                S, o = delta_rule(prev.index_select(0, torch.tensor([src[r] for r in level], device=x.device)),
-                                  k.index_select(0, rows), v.index_select(0, rows), beta.index_select(0, rows),
-                                  decay.index_select(0, rows), q.index_select(0, rows))
-                out.index_copy_(0, rows, o)
-            sel = [i for i, r in enumerate(level) if slot[r] >= 0]
-            if sel:
-                kept_rows = S if len(sel) == len(level) else S.index_select(0, torch.tensor(sel, device=x.device))
-                kept.index_copy_(0, torch.tensor([slot[level[i]] for i in sel], device=x.device), kept_rows)
-            prev = S
-        for s, (seg, (off, win, parents)) in enumerate(zip(segments, trees, strict=True)):
-            lo, hi = seg.begin, seg.end
-            states = kept[slot[lo + first[s]] : slot[lo + first[s]] + hi - lo - first[s]] if keep[s] else None
-            rule = None if keep[s] and not first[s] else (k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi])
-            seg.kv.set_pending(PendingRows(inputs[off : off + K - 1 + hi - lo], win, parents, states, rule, first[s]))
-
+        out = recur_segments(segments, trees, inputs, parent, depth, seg_of, q, k, v, beta, g)
         o = self.norm(out.to(x.dtype)) * F.silu(z.reshape(T, self.num_v_heads, self.v_dim).float())
         return self.out(o.to(x.dtype).reshape(T, self.num_v_heads * self.v_dim))
+
+
+def recur_segments(segments: Sequence[Segment], trees: list[tuple[int, torch.Tensor, list[int]]], inputs: torch.Tensor,
+                   parent: list[int], depth: list[int], seg_of: list[int], q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The delta rule over every segment's rows (q/k [T, Hv, dk], v [T, Hv, dv], beta and log decay g [T, Hv]),
+    each row from its parent's state (`parent`: global row, -1 = its segment's committed state; `depth` in its tree;
+    `seg_of`: its segment); sets each segment's pending rows (`trees`: (offset of its conv inputs in `inputs`, its
+    [n, K] conv windows, its parents)). Returns the outputs [T, Hv, dv]."""
+    T, K = q.shape[0], trees[0][1].shape[1]
+    decay = g.exp()
+    # A long chain (a prefill chunk) runs the chunked form over all but its last TAIL rows; those and every other
+    # row go one tree level at a time, over every segment's rows at that depth: a level starts from the level
+    # above (or, at depth 0, its segment's state), so only two levels' states are live, plus the rows' states
+    # that the cache keeps pending (LinearState.keeps_states; a chunked chain's last TAIL rows).
+    out = torch.empty_like(v)
+    init = [seg.kv.state for seg in segments]
+    first = [0] * len(segments)  # a segment's first row for the level loop, and its first row with a state
+    for s, seg in enumerate(segments):
+        lo, n = seg.begin, seg.end - seg.begin
+        if n >= CHUNKED_MIN_ROWS + TAIL and trees[s][2] == chain_parents(n):
+            m = first[s] = n - TAIL
+            out[lo : lo + m], init[s] = chunk_delta_rule(init[s], q[lo : lo + m], k[lo : lo + m],
+                                                         v[lo : lo + m], beta[lo : lo + m], g[lo : lo + m])
+            for r in range(lo, lo + m):
+                depth[r] = -1
+            for r in range(lo + m, lo + n):
+                depth[r] -= m
+            parent[lo + m] = -1
+    keep = [first[s] > 0 or seg.kv.keeps_states(seg.end - seg.begin) for s, seg in enumerate(segments)]
+    levels: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+    pos = [0] * T
+    for r, d in enumerate(depth):
+        if d >= 0:
+            pos[r] = len(levels[d])
+            levels[d].append(r)
+    src = [seg_of[r] if parent[r] < 0 else pos[parent[r]] for r in range(T)]
+    slot, n_kept = [-1] * T, 0
+    for s, seg in enumerate(segments):
+        if keep[s]:
+            rows = range(seg.begin + first[s], seg.end)
+            slot[rows.start : rows.stop] = range(n_kept, n_kept + len(rows))
+            n_kept += len(rows)
+    kept = q.new_empty((n_kept, *segments[0].kv.state.shape), dtype=torch.float32)
+    prev = torch.stack(init)
+    for level in levels:
+        if T == len(segments):  # one row per segment (AR steps): every row, in order, from its segment's state
+            S, o = delta_rule(prev, k, v, beta, decay, q)
+            out = o
+        else:
+            rows = torch.tensor(level, device=q.device)
+            S, o = delta_rule(prev.index_select(0, torch.tensor([src[r] for r in level], device=q.device)),
+                              k.index_select(0, rows), v.index_select(0, rows), beta.index_select(0, rows),
+                              decay.index_select(0, rows), q.index_select(0, rows))
+            out.index_copy_(0, rows, o)
+        sel = [i for i, r in enumerate(level) if slot[r] >= 0]
+        if sel:
+            kept_rows = S if len(sel) == len(level) else S.index_select(0, torch.tensor(sel, device=q.device))
+            kept.index_copy_(0, torch.tensor([slot[level[i]] for i in sel], device=q.device), kept_rows)
+        prev = S
+    for s, (seg, (off, win, parents)) in enumerate(zip(segments, trees, strict=True)):
+        lo, hi = seg.begin, seg.end
+        states = kept[slot[lo + first[s]] : slot[lo + first[s]] + hi - lo - first[s]] if keep[s] else None
+        rule = None if keep[s] and not first[s] else (k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi])
+        seg.kv.set_pending(PendingRows(inputs[off : off + K - 1 + hi - lo], win, parents, states, rule, first[s]))
+    return out
