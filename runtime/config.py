@@ -293,7 +293,8 @@ def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
         model_type = config_json.get("model_type")
         arch = model_type if model_type in ARCHITECTURES else _HF_MODEL_TYPES.get(model_type)
     if arch == "qwen35" and isinstance(config_json.get("text_config"), dict):
-        config_json = {**config_json["text_config"], "architectures": names}
+        outer = {k: config_json[k] for k in ("tie_word_embeddings", "_name_or_path") if k in config_json}
+        config_json = {**config_json["text_config"], **outer, "architectures": names}
     if arch is None:
         raise ValueError(
             f"unsupported HF architecture {names or config_json.get('model_type')!r}; "
