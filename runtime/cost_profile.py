@@ -72,10 +72,12 @@ def draft_key(model_fingerprint: str, drafter: str, dtype: str, device: torch.de
 
 def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
                sync: Callable[[], None] = lambda: None, warmup: int = 1,
-               max_seconds: float | None = None) -> tuple[list[float], dict[str, Any]]:
+               max_seconds: float | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], dict[str, Any]]:
     """Median seconds of `run(size)` per size, and what was done. Sizes are interleaved round by round (a slow
     drift of the machine then spreads over every size instead of biasing the last ones); `warmup` untimed
-    rounds first. Past `max_seconds` no new round starts (at least one timed round always runs)."""
+    rounds first. Past `max_seconds` no new round starts (at least one timed round always runs). `clock`: wall
+    time, or e.g. time.process_time (CPU seconds of the process: runtime/engine_bench.py on a shared machine)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     times: dict[int, list[float]] = {s: [] for s in sizes}
@@ -86,11 +88,11 @@ def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
             break
         for s in sizes:
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             run(s)
             sync()
             if round_ >= warmup:
-                times[s].append(time.perf_counter() - t0)
+                times[s].append(clock() - t0)
         rounds += round_ >= warmup
     info = {"repeats": rounds, "warmup": warmup, "wall_seconds": round(time.perf_counter() - t_start, 3),
             "created": round(time.time())}
@@ -105,7 +107,8 @@ def _check_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5, context: int = 128,
-                   seed: int = 0, max_seconds: float | None = None, lanes: int = 1) -> CostTable:
+                   seed: int = 0, max_seconds: float | None = None, lanes: int = 1,
+                   clock: Callable[[], float] = time.perf_counter) -> CostTable:
     """Time one batched forward in which `lanes` sessions each verify a chain of `size` rows on top of `context`
     committed rows (random tokens, fresh caches): the median of `repeats` per size after one warm-up round.
     Size 1 (a plain AR step: one root, no draft) is always measured. Rows verified are what the forward's cost
@@ -135,7 +138,8 @@ def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, rep
         for c in caches:
             c.discard()
 
-    seconds, info = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device), max_seconds=max_seconds)
+    seconds, info = time_sizes(run, sizes, repeats, sync=lambda: _sync(model.device), max_seconds=max_seconds,
+                               clock=clock)
     return CostTable(target_key(model, context, lanes), sizes, seconds, info=info)
 
 

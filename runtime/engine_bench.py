@@ -2,15 +2,18 @@
 
 Each variant is timed by the start-up profiler itself (cost_profile.profile_target: a chain verify of M rows on
 top of `--context` committed rows, sizes interleaved), `--rounds` times with the variants interleaved (a busy
-machine then slows every variant alike); the median over rounds is printed. Also the aten calls of one eager
-1-row forward (an AR step), counted with a TorchDispatchMode. "fast, rows attend together" is the fast precision
-with SDPA over all rows of a verify at once: faster, but not batch invariant (not lossless), shown for its cost.
+machine then slows every variant alike); the median over rounds is printed, in wall ms and in CPU ms of the
+process (all threads: on a machine shared with other work the CPU figure is the steadier one). Also the aten
+calls of one eager 1-row forward (an AR step), counted with a TorchDispatchMode. "fast, rows attend together" is
+the fast precision with one SDPA over all rows of a verify: not batch invariant (not lossless), shown for the cost
+of invariance.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -65,21 +68,34 @@ def main(argv: list[str] | None = None) -> None:
             shared = inference_model(load_checkpoint(path, progress=False, precision=precision), precision)
             shared.batch_invariant = False
             variants[f"{precision}, rows attend together (NOT lossless)"] = shared
-    ms: dict[str, list[list[float]]] = {name: [] for name in variants}
+    clocks = {"wall": time.perf_counter, "CPU": time.process_time}
+    ms: dict[tuple[str, str], list[list[float]]] = {(c, name): [] for name in variants for c in clocks}
     for _ in range(args.rounds):
         for name, model in variants.items():
-            table = profile_target(model, rows, repeats=args.repeats, context=args.context)
-            raw = table.measured or table.seconds  # before the table's running max
-            ms[name].append([s * 1e3 for size, s in zip(table.sizes, raw, strict=True) if size in rows])
+            for clock_name, clock in clocks.items():
+                table = profile_target(model, rows, repeats=args.repeats, context=args.context, clock=clock)
+                raw = table.measured or table.seconds  # before the table's running max
+                ms[clock_name, name].append([s * 1e3 for size, s in zip(table.sizes, raw, strict=True)
+                                             if size in rows])
     print(f"{path.name}, {args.threads} threads, {args.context} committed rows, compile off (eager); ms per forward, "
-          f"median of {args.rounds} rounds x {args.repeats} repeats")
-    print(f"| variant | {' | '.join(f'{r} rows' for r in rows)} | aten calls per 1-row forward (top ops) |")
-    print(f"|---|{'---|' * len(rows)}---|")
+          f"median of {args.rounds} rounds x {args.repeats} repeats; load average {_load_average()}")
+    print(f"| variant | clock | {' | '.join(f'{r} rows' for r in rows)} |")
+    print(f"|---|---|{'---|' * len(rows)}")
+    for (clock_name, name), runs in ms.items():
+        cells = [f"{statistics.median(r[i] for r in runs):.1f}" for i in range(len(rows))]
+        print(f"| {name} | {clock_name} | {' | '.join(cells)} |")
+    print("\n| variant | aten calls per eager 1-row forward | top ops |\n|---|---|---|")
     for name, model in variants.items():
-        cells = [f"{statistics.median(r[i] for r in ms[name]):.1f}" for i in range(len(rows))]
         calls = count_torch_calls(model, args.context)
-        top = ", ".join(f"{op} {n}" for op, n in calls.most_common(4))
-        print(f"| {name} | {' | '.join(cells)} | {calls.total()} ({top}) |")
+        print(f"| {name} | {calls.total()} | {', '.join(f'{op} {n}' for op, n in calls.most_common(5))} |")
+
+
+def _load_average() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":
