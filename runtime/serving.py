@@ -94,12 +94,16 @@ async def session_stream(request_iterator, handle: Callable, executor, release_o
     `handle(request, owner)`; when the stream ends (done, cancelled, deadline) its sessions are released. The
     stream owns the sessions it opens (another stream gets NOT_FOUND); `principal` counts towards its limit."""
     owner = Owner(principal)
-    loop = asyncio.get_running_loop()
+    op = None
     try:
         async for request in request_iterator:
-            yield await loop.run_in_executor(executor, handle, request, owner)
+            op = executor.submit(handle, request, owner)
+            yield await asyncio.wrap_future(op)
     finally:
-        release_owner(owner)
+        if op is not None and not op.done():  # cancelled mid-operation: release when it ends (an `open` under way
+            op.add_done_callback(lambda _: release_owner(owner))  # would otherwise leave its session behind)
+        else:
+            release_owner(owner)
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
