@@ -1,9 +1,10 @@
 """The Generate RPC's link to its draft service: one channel, a health probe, the drafter's info.
 
-A request speculates only while the last probe found the drafter SERVING, so a dead or stalled drafter costs new
-requests nothing and AR requests never wait on it. When a probe fails, the draft streams of the requests under
-way are cancelled (they finish target-only, same tokens), so a stall costs each of them at most one probe period
-(or the draft timeout, if shorter); the drafter is used again one probe interval after it is back.
+A request speculates only while the probes find the drafter SERVING, so a dead or stalled drafter costs new
+requests nothing and AR requests never wait on it. When the drafter reports NOT_SERVING, or does not answer two
+probes in a row (one late answer on a busy machine is not a stall), the draft streams of the requests under way
+are cancelled (they finish target-only, same tokens): a stall costs each of them at most two probe periods (or the
+draft timeout, if shorter). The drafter is used again one probe interval after it is back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 2.0  # a drafter slower than this to answer a health check is treated as stalled
+FAILED_PROBES_TO_DROP = 2
 
 
 class DrafterLink:
@@ -32,6 +34,7 @@ class DrafterLink:
         self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
         self.info: draft_pb2.GetDrafterInfoResponse | None = None  # None while the drafter is not SERVING
         self.down_reason = "not probed yet"
+        self._failed = 0  # probes in a row without an answer
         self._streams: set[SessionStream] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,8 +64,11 @@ class DrafterLink:
             info = self.info or self.stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
                                                          timeout=self.probe_timeout_s)
         except grpc.RpcError as e:
-            self._down(f"drafter {self.address} unavailable ({e.code().name}: {e.details()})")
+            self._failed += 1
+            if self._failed >= FAILED_PROBES_TO_DROP or self.info is None:
+                self._down(f"drafter {self.address} unavailable ({e.code().name}: {e.details()})")
             return False
+        self._failed = 0
         with self._lock:
             self.info, self.down_reason = info, ""
         return True
