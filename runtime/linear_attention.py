@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .transformer import Segment
 
 
-CHUNKED_MIN_ROWS = 64  # a chain this long (plus TAIL) runs the chunked form of the delta rule
+CHUNKED_MIN_ROWS = 64  # a prompt chunk this long (plus TAIL) runs the chunked form of the delta rule
 TAIL = 8  # a chunked chain's last rows run one at a time, their states kept (a commit's and the snapshots')
 
 
@@ -200,16 +200,17 @@ def recur_segments(segments: Sequence[Segment], trees: list[tuple[int, torch.Ten
     [n, K] conv windows, its parents)). Returns the outputs [T, Hv, dv]."""
     T, K = q.shape[0], trees[0][1].shape[1]
     decay = g.exp()
-    # A long chain (a prefill chunk) runs the chunked form over all but its last TAIL rows; those and every other
-    # row go one tree level at a time, over every segment's rows at that depth: a level starts from the level
-    # above (or, at depth 0, its segment's state), so only two levels' states are live, plus the rows' states
-    # that the cache keeps pending (LinearState.keeps_states; a chunked chain's last TAIL rows).
+    # A long prompt chunk runs the chunked form over all but its last TAIL rows (a verified chain does not: its
+    # rows compute what AR steps compute, row by row). Those and every other row go one tree level at a time,
+    # over every segment's rows at that depth: a level starts from the level above (or, at depth 0, its
+    # segment's state), so only two levels' states are live, plus the rows' states that the cache keeps pending
+    # (LinearState.keeps_states; a chunked chain's last TAIL rows).
     out = torch.empty_like(v)
     init = [seg.kv.state for seg in segments]
     first = [0] * len(segments)  # a segment's first row for the level loop, and its first row with a state
     for s, seg in enumerate(segments):
         lo, n = seg.begin, seg.end - seg.begin
-        if n >= CHUNKED_MIN_ROWS + TAIL and trees[s][2] == chain_parents(n):
+        if n >= CHUNKED_MIN_ROWS + TAIL and seg.parents is None:
             m = first[s] = n - TAIL
             out[lo : lo + m], init[s] = chunk_delta_rule(init[s], q[lo : lo + m], k[lo : lo + m],
                                                          v[lo : lo + m], beta[lo : lo + m], g[lo : lo + m])

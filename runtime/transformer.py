@@ -20,7 +20,7 @@ from .batch_invariant import RowKeys, attention_by_row, row_keys
 from .config import ModelConfig
 from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
-from .linear_attention import GatedDeltaNet, chain_parents, parents_from_mask
+from .linear_attention import GatedDeltaNet, parents_from_mask
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Segment:
     end: int
     mask: torch.Tensor | None
     kv: KVSource
-    parents: list[int] | None = None  # the rows' tree, for linear-attention layers (None: a chain)
+    parents: list[int] | None = None  # the rows' tree, for linear-attention layers (None: a prompt chunk's chain)
     keys: RowKeys | None = None  # attend row by row to these key rows (Transformer.batch_invariant)
 
 
@@ -340,15 +340,16 @@ class Transformer(nn.Module):
         return outputs
 
     @staticmethod
-    def _tree(b: SequenceInput) -> list[int]:
-        """The new rows' parents (linear-attention layers follow them; attention follows the mask)."""
+    def _tree(b: SequenceInput) -> list[int] | None:
+        """The new rows' parents (linear-attention layers follow them; attention follows the mask); None for a
+        plain causal forward (a prompt chunk: a chain that may run the chunked form of the delta rule)."""
         T = b.tokens.shape[0]
         if b.new_rows_mask is not None:
             return parents_from_mask(b.new_rows_mask)
         if b.mask is not None:
             start = b.mask.shape[1] - T
             return parents_from_mask(b.mask[:, start:], b.mask[:, :start])
-        return chain_parents(T)
+        return None
 
     def _check_input(self, b: SequenceInput) -> None:
         tokens, positions, cache, mask = b.tokens, b.positions, b.cache, b.mask
