@@ -37,8 +37,16 @@ def padded_length(visible: int) -> int:
 
 
 def _keys_padded(t: torch.Tensor, length: int) -> torch.Tensor:
-    """[KV, S, D] -> its first `length` rows, zeros past S."""
-    return t[:, :length] if length <= t.shape[1] else F.pad(t, (0, 0, 0, length - t.shape[1]))
+    """[KV, S, D] -> its first `length` rows. Past S: the rows behind it in its storage when it is a view of a
+    longer buffer (a KVCache's: zero-initialized, so finite; they are masked), else zeros (a copy)."""
+    if length <= t.shape[1]:
+        return t[:, :length]
+    kv, _, d = t.shape
+    if t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= length * d:
+        end = t.storage_offset() + (kv - 1) * t.stride(0) + length * d
+        if end * t.element_size() <= t.untyped_storage().nbytes():
+            return t.as_strided((kv, length, d), t.stride())
+    return F.pad(t, (0, 0, 0, length - t.shape[1]))
 
 
 def _queries(q: torch.Tensor, rows: list[int]) -> torch.Tensor:

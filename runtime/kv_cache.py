@@ -43,8 +43,9 @@ class KVCache:
         self.pending_parents: list[int] | None = None
         capacity = min(initial_capacity, max_length)
         shape = (num_kv_heads, capacity, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # zeros, not empty: batch-invariant attention reads masked rows past the written ones (finite values only)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
     def for_config(
@@ -93,7 +94,7 @@ class KVCache:
     def _resize(self, capacity: int) -> None:
         for store in (self.k, self.v):
             for i, old in enumerate(store):
-                new = old.new_empty((self.num_kv_heads, capacity, self.head_dim))
+                new = old.new_zeros((self.num_kv_heads, capacity, self.head_dim))
                 new[:, : self.length] = old[:, : self.length]
                 store[i] = new
 
