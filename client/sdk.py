@@ -225,9 +225,11 @@ class TargetClient:
                     raise TimeoutError(f"{address} not SERVING after {timeout:g} s")
                 time.sleep(0.2)
 
-    def model_info(self) -> target_pb2.GetModelInfoResponse:
+    def model_info(self, timeout: float | None = None) -> target_pb2.GetModelInfoResponse:
+        """The target's info (asked once, then kept); `timeout` defaults to the client's."""
         if self._info is None:
-            self._info = self._stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=self.timeout)
+            self._info = self._stub.GetModelInfo(target_pb2.GetModelInfoRequest(),
+                                                 timeout=self.timeout if timeout is None else timeout)
         return self._info
 
     def drafter_info(self) -> draft_pb2.GetDrafterInfoResponse:
@@ -249,23 +251,28 @@ class TargetClient:
         options = {**self.defaults, **{k: v for k, v in chosen.items() if v is not None}}
         _check_options(**options)
         stats = stats if stats is not None else common_pb2.GenerationStats()
-        eos = frozenset(self.model_info().eos_token_ids)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+
+        def remaining() -> float | None:  # the request's deadline covers every call it makes
+            return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+
+        eos = frozenset(self.model_info(remaining()).eos_token_ids)
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop),
                                   ignore_eos=ignore_eos)
         if options["mode"] == "speculation" and self._draft_stub is None:
             raise ValueError("mode 'speculation' needs a drafter: TargetClient(..., drafter='host:port')")
         streams = _streams if _streams is not None else []
-        streams.append(SessionStream(self._stub.TargetSession, self.timeout))
+        streams.append(SessionStream(self._stub.TargetSession, remaining()))
         try:
             speculation = None
             if options["mode"] != "ar":
                 if self._draft_stub is None:
                     stats.fallback_reason = "no drafter configured"
                 else:
-                    draft_timeout = min((t for t in (self.draft_timeout, self.timeout) if t), default=None)
+                    draft_timeout = min((t for t in (self.draft_timeout, remaining()) if t), default=None)
                     speculation = open_speculation(self._draft_stub, PROPOSALS[options["proposal"]], options["budget"],
-                                                   KERNELS[options["kernel"]], self.timeout, draft_timeout, stats,
+                                                   KERNELS[options["kernel"]], remaining(), draft_timeout, stats,
                                                    PROPOSERS[options["proposer"]],
                                                    adaptive=options["mode"] == "adaptive",
                                                    verify_costs=self.model_info().verify_costs,
