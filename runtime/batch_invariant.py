@@ -15,6 +15,8 @@ chunks keep one plain causal call: AR and speculation prefill a prompt alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -49,11 +51,23 @@ def _keys_padded(t: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, length - t.shape[1]))
 
 
-def _queries(q: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """q's `rows` as a [H, QROWS, D] block, zeros after them."""
-    block = q.new_zeros(q.shape[0], QROWS, q.shape[2])
-    block[:, : len(rows)] = q[:, rows]
-    return block
+@dataclass(frozen=True)
+class _Call:
+    """One SDPA call: output rows `rows` from query rows `queries` (padded to QROWS) over `length` keys."""
+
+    length: int
+    rows: list[int]
+    queries: torch.Tensor  # [QROWS] (a chain chunk) or [G, QROWS] (tree rows, one batch element each)
+    mask: torch.Tensor  # [QROWS, length] or [G, 1, QROWS, length]
+    gather: list[torch.Tensor] | None = None  # tree rows: each one's visible key rows
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a segment's rows attend (built once per forward, used by every layer)."""
+
+    rows: int
+    calls: list[_Call]
 
 
 def _visible(counts: list[int], length: int) -> torch.Tensor:
@@ -62,32 +76,50 @@ def _visible(counts: list[int], length: int) -> torch.Tensor:
     return torch.arange(length) < n[:, None]
 
 
-def attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: RowKeys) -> torch.Tensor:
-    """q [H, T, D], k/v [KV, S, D] -> [H, T, D]; row i attends to keys[i] exactly as a 1-row step would."""
-    H, T, D = q.shape
-    assert T == len(keys) and k.shape == v.shape and k.shape[-1] == D, (q.shape, len(keys), k.shape, v.shape)
-    out = q.new_empty(H, T, D)
+def _padded_rows(rows: list[int]) -> torch.Tensor:
+    """Query row indices padded to QROWS by repeating the first (padding rows' results are dropped)."""
+    return torch.tensor(rows + [rows[0]] * (QROWS - len(rows)))
+
+
+def plan_rows(keys: RowKeys) -> RowPlan:
     chains: dict[int, list[int]] = {}
+    trees: dict[int, list[int]] = {}
     for i, n in enumerate(keys):
         if isinstance(n, int):
             chains.setdefault(padded_length(n), []).append(i)
+        else:
+            trees.setdefault(padded_length(n.numel()), []).append(i)
+    calls = []
     for length, rows in chains.items():
-        kp, vp = _keys_padded(k, length), _keys_padded(v, length)
         for c in range(0, len(rows), QROWS):
             chunk = rows[c : c + QROWS]
-            o = F.scaled_dot_product_attention(_queries(q, chunk)[None], kp[None], vp[None],
-                                               attn_mask=_visible([keys[i] for i in chunk], length), enable_gqa=True)
-            out[:, chunk] = o[0, :, : len(chunk)]
-    trees: dict[int, list[int]] = {}
-    for i, n in enumerate(keys):
-        if not isinstance(n, int):
-            trees.setdefault(padded_length(n.numel()), []).append(i)
+            calls.append(_Call(length, chunk, _padded_rows(chunk), _visible([keys[i] for i in chunk], length)))
     for length, rows in trees.items():
-        kg, vg = (k.new_zeros(len(rows), k.shape[0], length, D) for _ in range(2))
-        for j, i in enumerate(rows):
-            kg[j, :, : keys[i].numel()], vg[j, :, : keys[i].numel()] = k[:, keys[i]], v[:, keys[i]]
-        qg = torch.stack([_queries(q, [i]) for i in rows])
         mask = torch.stack([_visible([keys[i].numel()], length) for i in rows])[:, None]
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=True)
-        out[:, rows] = o[:, :, 0].transpose(0, 1)
+        calls.append(_Call(length, rows, torch.stack([_padded_rows([i]) for i in rows]), mask, [keys[i] for i in rows]))
+    return RowPlan(len(keys), calls)
+
+
+def attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan | RowKeys) -> torch.Tensor:
+    """q [H, T, D], k/v [KV, S, D] -> [H, T, D]; row i attends to its keys exactly as a 1-row step would."""
+    plan = plan if isinstance(plan, RowPlan) else plan_rows(plan)
+    H, T, D = q.shape
+    assert T == plan.rows and k.shape == v.shape and k.shape[-1] == D, (q.shape, plan.rows, k.shape, v.shape)
+    out = None if len(plan.calls) == 1 else q.new_empty(H, T, D)
+    for call in plan.calls:
+        if call.gather is None:
+            kp, vp = _keys_padded(k, call.length), _keys_padded(v, call.length)
+            o = F.scaled_dot_product_attention(q.index_select(1, call.queries)[None], kp[None], vp[None],
+                                               attn_mask=call.mask, enable_gqa=True)[0, :, : len(call.rows)]
+        else:
+            kg, vg = (t.new_zeros(len(call.rows), t.shape[0], call.length, D) for t in (k, v))
+            for j, idx in enumerate(call.gather):
+                kg[j, :, : idx.numel()], vg[j, :, : idx.numel()] = k[:, idx], v[:, idx]
+            qg = q.index_select(1, call.queries.flatten()).view(H, -1, QROWS, D).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=call.mask, enable_gqa=True)[:, :, 0]
+            o = o.transpose(0, 1)
+        if out is None and call.rows == list(range(T)):
+            return o
+        out = q.new_empty(H, T, D) if out is None else out
+        out[:, call.rows] = o
     return out

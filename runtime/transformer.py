@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_invariant import RowKeys, attention_by_row, row_keys
+from .batch_invariant import RowPlan, attention_by_row, plan_rows, row_keys
 from .config import ModelConfig
 from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
@@ -47,7 +47,7 @@ class Segment:
     mask: torch.Tensor | None
     kv: KVSource
     parents: list[int] | None = None  # the rows' tree, for linear-attention layers (None: a prompt chunk's chain)
-    keys: RowKeys | None = None  # attend row by row to these key rows (Transformer.batch_invariant)
+    keys: RowPlan | None = None  # attend row by row to these key rows (Transformer.batch_invariant)
 
 
 @dataclass
@@ -307,9 +307,9 @@ class Transformer(nn.Module):
                 mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device),
                                   b.new_rows_mask.to(self.device)], dim=1)
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
-            if self.batch_invariant:  # verify rows and AR steps attend row by row; a prompt chunk does not
-                keys.append(row_keys(mask) if mask is not None else [start + 1] if T == 1 else None)
-            else:
+            if self.batch_invariant and (mask is not None or T == 1):  # verify rows, AR steps: row by row
+                keys.append(plan_rows(row_keys(mask) if mask is not None else [start + 1]))
+            else:  # a prompt chunk: one causal call
                 keys.append(None)
             bounds.append((begin, begin + T))
             begin += T
