@@ -167,6 +167,7 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
         return Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
     model = Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16).pack()
     model.batch_invariant = True
+    model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     return model
 
 

@@ -92,24 +92,25 @@ class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
 
     A Linear given a GGUF's Q4_0/Q4_1 `blocks` (runtime/quant.py; its weight is then a meta tensor) runs as an
-    int4 group-32 matmul once packed."""
+    int4 group-32 matmul, packed on first use (most run only inside a fused projection)."""
 
     packed: torch.Tensor | None = None
     blocks: QuantBlocks | None = None
     int4: Int4Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
+        if self.blocks is not None:
+            if self.int4 is None:
+                self.int4 = Int4Weight.of([self.blocks], self.weight.dtype, self.bias)
             return self.int4(x)
-        assert self.blocks is None, "a Linear made from int4 blocks runs only once packed (pack_linears)"
         return linear(x, self.weight, self.bias, self.packed)
 
 
 def matmul_kind(model: nn.Module) -> str:
-    """"int4-g32" when `pack_linears` made int4 matmuls from GGUF blocks, "onednn-packed" when it packed the model,
-    else "aten" (cost tables are keyed by it, so a table profiled on one kind is never reused for another)."""
+    """"int4-g32" when its Linears hold GGUF int4 blocks, "onednn-packed" when `pack_linears` packed the model, else
+    "aten" (cost tables are keyed by it, so a table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if any(m.int4 is not None for m in linears):
+    if any(m.blocks is not None for m in linears):
         return "int4-g32"
     return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
 
@@ -120,8 +121,7 @@ def pack_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.blocks is not None:
-            module.int4 = Int4Weight.of([module.blocks], module.weight.dtype, module.bias)
-            count += 1
+            count += 1  # packed on first use
         elif isinstance(module, Linear):
             module.packed = None if module.weight.requires_grad else pack_weight(module.weight)
             count += module.packed is not None

@@ -68,8 +68,8 @@ def test_fast_model_is_keyed_apart_in_cost_tables(smollm2_checkpoints):
     exact_model, fast_model = inference_model(exact, "exact"), inference_model(fast, "fast")
     assert matmul_kind(fast_model) == "int4-g32" and matmul_kind(exact_model) == "onednn-packed"
     assert fast_model.dtype == torch.bfloat16 and fast_model.batch_invariant and not exact_model.batch_invariant
-    int4 = [m for m in fast_model.modules() if isinstance(m, Linear) and m.int4 is not None]
-    assert len(int4) == 210
+    int4 = [m for m in fast_model.modules() if isinstance(m, Linear) and m.blocks is not None]
+    assert len(int4) == 210 and fast_model.layers[0].attention.wo.int4 is not None  # unfused: packed at load
     assert fast_model.layers[0].attention.qkv.int4 is not None and fast_model.layers[0].feed_forward.gate_up.int4
     fast_key, exact_key = target_key(fast_model), target_key(exact_model)
     assert (fast_key.matmul, fast_key.dtype) == ("int4-g32", "bfloat16") and fast_key != exact_key
