@@ -54,15 +54,18 @@ def _verify_costs(address: str) -> list:
         channel.close()
 
 
-def test_cost_tables_are_published_monotone_and_are_what_the_cache_holds(tmp_path):
+def test_cost_tables_are_published_monotone_and_are_what_the_cache_holds(tmp_path, tiny_hf_models, smollm2_path):
     """Two starts on one cache: each publishes monotone tables (in rows and in sessions) equal to the cache's files.
     Whether the second start reused them depends on a timing spot check (tests/test_cost_table.py tests reuse and
     re-profiling deterministically, on a fake spot check)."""
     from dspark_grpc.client.cost_table import CostTable, lanes_problem
+    from dspark_grpc.runtime.tokenizer import TextTokenizer
 
+    model = tiny_hf_models["qwen3"]  # a tiny model: loading and profiling it take a fraction of SmolLM2's time
+    TextTokenizer.from_gguf(smollm2_path).save(model)
     cache = tmp_path / "costs"
     for _ in range(2):
-        with local_target(["--cost-cache", str(cache), "--quiet"], echo=False) as address:
+        with local_target(["--model", str(model), "--cost-cache", str(cache), "--quiet"], echo=False) as address:
             with TargetClient(address) as client:
                 client.wait_ready(timeout=300)
             published = _verify_costs(address)
