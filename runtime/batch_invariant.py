@@ -3,14 +3,17 @@
 Greedy speculation is lossless only if a row of an M-row verify computes exactly what a 1-row AR step computes.
 The matmuls on the fast path (int4pack, oneDNN-packed bf16) and the row-wise ops are invariant in the row count,
 but CPU scaled_dot_product_attention is not: its result for a row depends on how many query rows it runs with
-and on the key length (its blocking), masked or not. So every call has one shape per key bucket: QROWS query
-rows (a row's neighbours, or zeros that see key 0 only) over keys padded to the row's visible count rounded up
-to BUCKET, masked per row. With the shape fixed, a row's result depends only on its own query, its mask row and
-the key rows it sees, at their positions — not on its place among the query rows nor on masked keys (finite
-values; tested in bf16 with 1 and 2 threads, tests/runtime/test_batch_invariance.py). A chain row (an AR step,
-a chain verify, a tree's first branch) sees a prefix of the cache at the positions its AR step sees, so rows
-share a call; any other tree row gets its visible rows gathered to the front, one batch element each. Prompt
-chunks keep one plain causal call: AR and speculation prefill a prompt alike.
+and on the key length (its blocking), masked or not. So every row runs in a batch element of one fixed shape:
+QROWS query rows (its chain neighbours, or copies of it whose results are dropped) over keys padded to its visible
+count rounded up to BUCKET, masked per row. With the shape fixed, a row's result depends only on its own query,
+its mask row and the key rows it sees, at their positions: not on its place among the query rows, on the other
+rows, on masked keys (finite values) or on the other batch elements (tested in bf16 with 1 and 2 threads, not so
+in float32; tests/runtime/test_batch_invariance.py). A chain row (an AR step, a chain verify, a tree's first
+branch) sees a prefix of the cache at the positions its AR step sees, so chain rows share the cache's keys; any
+other tree row gets its visible rows gathered to the front, an element of its own. QROWS = 4: single-thread SDPA
+costs per layer (256 keys) 98 us for an AR step (a plain 1-row call: ~250 us), 350 us for 16 chain rows and 1.4
+ms for 16 tree rows (QROWS 16: 200 us, 190 us, 3.2 ms). Prompt chunks keep one plain causal call: AR and
+speculation prefill a prompt alike.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 RowKeys = list[int | torch.Tensor]
 BUCKET = 64
-QROWS = 16
+QROWS = 4
 
 
 def row_keys(mask: torch.Tensor) -> RowKeys:
@@ -53,13 +56,13 @@ def _keys_padded(t: torch.Tensor, length: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Call:
-    """One SDPA call: output rows `rows` from query rows `queries` (padded to QROWS) over `length` keys."""
+    """One SDPA call over `length` keys: G batch elements of QROWS query rows each, giving output rows `rows`."""
 
     length: int
     rows: list[int]
-    queries: torch.Tensor  # [QROWS] (a chain chunk) or [G, QROWS] (tree rows, one batch element each)
-    mask: torch.Tensor  # [QROWS, length] or [G, 1, QROWS, length]
-    gather: list[torch.Tensor] | None = None  # tree rows: each one's visible key rows
+    queries: torch.Tensor  # [G, QROWS] query row indices
+    mask: torch.Tensor  # [G, 1, QROWS, length]
+    gather: list[torch.Tensor] | None = None  # tree rows (one per element, first query row): their key rows
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,9 @@ def _visible(counts: list[int], length: int) -> torch.Tensor:
     return torch.arange(length) < n[:, None]
 
 
-def _padded_rows(rows: list[int]) -> torch.Tensor:
+def _padded_rows(rows: list[int]) -> list[int]:
     """Query row indices padded to QROWS by repeating the first (padding rows' results are dropped)."""
-    return torch.tensor(rows + [rows[0]] * (QROWS - len(rows)))
+    return rows + [rows[0]] * (QROWS - len(rows))
 
 
 def plan_rows(keys: RowKeys) -> RowPlan:
@@ -91,12 +94,13 @@ def plan_rows(keys: RowKeys) -> RowPlan:
             trees.setdefault(padded_length(n.numel()), []).append(i)
     calls = []
     for length, rows in chains.items():
-        for c in range(0, len(rows), QROWS):
-            chunk = rows[c : c + QROWS]
-            calls.append(_Call(length, chunk, _padded_rows(chunk), _visible([keys[i] for i in chunk], length)))
+        chunks = [rows[c : c + QROWS] for c in range(0, len(rows), QROWS)]
+        calls.append(_Call(length, rows, torch.tensor([_padded_rows(c) for c in chunks]),
+                           torch.stack([_visible([keys[i] for i in c], length) for c in chunks])[:, None]))
     for length, rows in trees.items():
-        mask = torch.stack([_visible([keys[i].numel()], length) for i in rows])[:, None]
-        calls.append(_Call(length, rows, torch.stack([_padded_rows([i]) for i in rows]), mask, [keys[i] for i in rows]))
+        calls.append(_Call(length, rows, torch.tensor([_padded_rows([i]) for i in rows]),
+                           torch.stack([_visible([keys[i].numel()], length) for i in rows])[:, None],
+                           [keys[i] for i in rows]))
     return RowPlan(len(keys), calls)
 
 
@@ -105,19 +109,20 @@ def attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ro
     plan = plan if isinstance(plan, RowPlan) else plan_rows(plan)
     H, T, D = q.shape
     assert T == plan.rows and k.shape == v.shape and k.shape[-1] == D, (q.shape, plan.rows, k.shape, v.shape)
-    out = None if len(plan.calls) == 1 else q.new_empty(H, T, D)
+    out = None
     for call in plan.calls:
-        if call.gather is None:
+        G = call.queries.shape[0]
+        qg = q.index_select(1, call.queries.flatten()).view(H, G, QROWS, D).transpose(0, 1)
+        if call.gather is None:  # chain chunks share the cache's keys, as they are
             kp, vp = _keys_padded(k, call.length), _keys_padded(v, call.length)
-            o = F.scaled_dot_product_attention(q.index_select(1, call.queries)[None], kp[None], vp[None],
-                                               attn_mask=call.mask, enable_gqa=True)[0, :, : len(call.rows)]
+            kg, vg = kp[None].expand(G, -1, -1, -1), vp[None].expand(G, -1, -1, -1)
         else:
-            kg, vg = (t.new_zeros(len(call.rows), t.shape[0], call.length, D) for t in (k, v))
+            kg, vg = (t.new_zeros(G, t.shape[0], call.length, D) for t in (k, v))
             for j, idx in enumerate(call.gather):
                 kg[j, :, : idx.numel()], vg[j, :, : idx.numel()] = k[:, idx], v[:, idx]
-            qg = q.index_select(1, call.queries.flatten()).view(H, -1, QROWS, D).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=call.mask, enable_gqa=True)[:, :, 0]
-            o = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=call.mask, enable_gqa=True)  # [G, H, QROWS, D]
+        o = o.transpose(0, 1).reshape(H, G * QROWS, D)[:, : len(call.rows)] if call.gather is None else \
+            o[:, :, 0].transpose(0, 1)
         if out is None and call.rows == list(range(T)):
             return o
         out = q.new_empty(H, T, D) if out is None else out
