@@ -124,6 +124,7 @@ class Lifecycle(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.draining = False
         self._running: set[asyncio.Task] = set()
+        self._ending: set[asyncio.Task] = set()  # cancelled by `drain` (not by their clients)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -135,6 +136,7 @@ class Lifecycle(grpc.aio.ServerInterceptor):
             return 0
         except TimeoutError:
             left = list(self._running)
+        self._ending.update(left)
         for task in left:
             task.cancel()
         await asyncio.wait(left, timeout=10)
@@ -148,15 +150,17 @@ class Lifecycle(grpc.aio.ServerInterceptor):
             ("stream" if handler.response_streaming else "unary")
         behavior = getattr(handler, kind)
 
-        async def enter(context) -> None:
+        async def enter(context) -> asyncio.Task:
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry elsewhere or "
                                     "after it restarts")
-            self._running.add(asyncio.current_task())
+            task = asyncio.current_task()
+            self._running.add(task)
             self._idle.clear()
+            return task
 
-        def leave() -> None:
-            self._running.discard(asyncio.current_task())
+        def leave(task: asyncio.Task) -> None:  # not current_task(): a dropped generator is closed by another task
+            self._running.discard(task)
             if not self._running:
                 self._idle.set()
 
@@ -166,27 +170,27 @@ class Lifecycle(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(behavior):
             async def tracked(request, context):
-                await enter(context)
+                task = await enter(context)
                 try:
                     async for response in behavior(request, context):
                         yield response
                 except asyncio.CancelledError:
-                    if not self.draining:
+                    if task not in self._ending:
                         raise
                     await ended(context)
                 finally:
-                    leave()
+                    leave(task)
         else:
             async def tracked(request, context):
-                await enter(context)
+                task = await enter(context)
                 try:
                     return await behavior(request, context)
                 except asyncio.CancelledError:
-                    if not self.draining:
+                    if task not in self._ending:
                         raise
                     await ended(context)
                 finally:
-                    leave()
+                    leave(task)
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(tracked, request_deserializer=handler.request_deserializer,
