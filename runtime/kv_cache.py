@@ -6,12 +6,20 @@ from collections.abc import Sequence
 
 import torch
 
+from .batch_invariant import BUCKET
 from .config import ModelConfig
 from .linear_attention import PendingRows, delta_rule
 
 
 class CacheFullError(ValueError):
     """A forward would take the cache past its max_length."""
+
+
+def _storage(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """Zeros [H, n, D] as a view of [H, n rounded up to BUCKET, D]: batch-invariant attention reads the rows past
+    the written ones, masked, up to its padded key length (runtime/batch_invariant.py); they must be finite."""
+    h, n, d = shape
+    return torch.zeros(h, -(-n // BUCKET) * BUCKET, d, dtype=dtype, device=device)[:, :n]
 
 
 class KVCache:
@@ -43,9 +51,8 @@ class KVCache:
         self.pending_parents: list[int] | None = None
         capacity = min(initial_capacity, max_length)
         shape = (num_kv_heads, capacity, head_dim)
-        # zeros, not empty: batch-invariant attention reads masked rows past the written ones (finite values only)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_storage(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_storage(shape, dtype, device) for _ in range(num_layers)]
 
     @classmethod
     def for_config(
@@ -94,7 +101,7 @@ class KVCache:
     def _resize(self, capacity: int) -> None:
         for store in (self.k, self.v):
             for i, old in enumerate(store):
-                new = old.new_zeros((self.num_kv_heads, capacity, self.head_dim))
+                new = _storage((self.num_kv_heads, capacity, self.head_dim), old.dtype, old.device)
                 new[:, : self.length] = old[:, : self.length]
                 store[i] = new
 
