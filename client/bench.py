@@ -110,6 +110,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
+              cost_profile: bool = True,
               baselines: tuple[str, ...] = (), log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
@@ -125,18 +126,20 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         raise ValueError(f"unknown baselines {sorted(unknown)}; known: {list(BASELINES)}")
     needs_drafter = any(parse_mode(m)[0] in DRAFTER_MODES for m in modes)
     sessions = str(max(16, 2 * max(concurrency)))
+    profile = [] if cost_profile else ["--no-cost-profile"]  # for the services started here
     started = []
     with ExitStack() as stack:
         if target is None:
             started.append("target")
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
-            args = ["--max-sessions", sessions] + (["--model", target_model] if target_model else [])
+            args = ["--max-sessions", sessions, *profile] + (["--model", target_model] if target_model else [])
             # SERVING before the drafter starts: the two start-up cost profiles must not share the CPU
             target = stack.enter_context(local_target(args, wait_serving=True))
         if drafter is None and needs_drafter:
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
-            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions]
+            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
+                                                                                         *profile]
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else []), wait_serving=True))
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
@@ -150,6 +153,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
+            "cost_profile": cost_profile,
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
                             "num_layers": info.num_layers, "device": info.device},

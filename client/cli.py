@@ -222,6 +222,9 @@ def parser() -> OneLineParser:
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
+    b.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
+                   help="start the services without their start-up cost profile (a quick check; the adaptive "
+                        "planner then has no cost tables)")
     b.add_argument("--baseline", action="append", default=[], choices=["llama-cpp"],
                    help="also run another engine's AR on the same prompts after the modes, as a reference line: "
                         "llama-cpp (needs llama-cpp-python: `make llama-cpp`)")
@@ -329,6 +332,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        args.proposal, args.budget, args.kernel, proposer=args.proposer, ignore_eos=args.ignore_eos,
                        drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
+                       cost_profile=args.cost_profile,
                        command=command, baselines=tuple(args.baseline))
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

@@ -39,7 +39,8 @@ def test_bench_ar_vs_speculation(tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "--prompts", str(SMOKE), "--max-new-tokens", "16", "--modes", f"ar,speculation,{TREE}",
             "--concurrency", "1,2", "--json", str(out), "--plot", str(plot),
-            "--draft-timeout", "300"]  # a busy CI machine must not make a drafter call fall back (asserted below)
+            "--draft-timeout", "300",  # a busy CI machine must not make a drafter call fall back (asserted below)
+            "--no-cost-profile"]
     run = dspark(*args, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())
