@@ -16,6 +16,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Services started by the tests cache their start-up cost tables here (one profile per test run), never in ~/.cache.
 os.environ.setdefault("DSPARK_COST_CACHE", tempfile.mkdtemp(prefix="dspark-cost-tables-"))
+# One torch thread in this process and in every service it starts (they inherit OMP_NUM_THREADS): the test process
+# and a service, or two services, take turns on CI's 2 cores, and with another job on one of them an OpenMP team of
+# two waits at every barrier for its descheduled thread (measured: a small matmul 4x slower than on one thread).
+# Tests assert no speed, so the thread count changes no outcome. DSPARK_TEST_THREADS overrides it.
+TEST_THREADS = os.environ.setdefault("DSPARK_TEST_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", TEST_THREADS)
+torch.set_num_threads(int(TEST_THREADS))
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
 
