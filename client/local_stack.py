@@ -28,12 +28,13 @@ _PR_SET_PDEATHSIG = 1
 class ServiceExited(RuntimeError):
     """A started service exited (or never listened): its name, exit code and last output lines."""
 
-    def __init__(self, name: str, returncode: int | None, last_lines: list[str], what: str = "exited") -> None:
+    def __init__(self, name: str, returncode: int | None, last_lines: list[str], what: str = "exited",
+                 listened: bool = True) -> None:
         tail = " | ".join(line.strip() for line in last_lines if line.strip())[-600:]
         super().__init__(f"the {name} service {what}"
                          + (f" with code {returncode}" if returncode is not None else "")
                          + (f": {tail}" if tail else ""))
-        self.name, self.returncode, self.last_lines = name, returncode, last_lines
+        self.name, self.returncode, self.last_lines, self.listened = name, returncode, last_lines, listened
 
 
 def _die_with_parent() -> None:
@@ -52,6 +53,31 @@ def _own_children() -> bool:
 
 @contextlib.contextmanager
 def local_service(module: str, args: list[str], *, name: str, echo: bool = True, start_timeout: float = 120.0,
+                  **kwargs) -> Iterator[str]:
+    """`_local_service`, started once more if the child was killed by a signal before it listened (seen once: gRPC's
+    core aborted at start-up on a busy machine, 'epoll_wait error: Bad file descriptor'); said on stderr."""
+    for attempt in (1, 2):
+        try:
+            starting = _local_service(module, args, name=name, echo=echo, start_timeout=start_timeout, **kwargs)
+            address = starting.__enter__()
+        except ServiceExited as e:
+            if attempt == 2 or e.returncode is None or e.returncode >= 0 or e.listened:
+                raise
+            print(f"[launcher] the {name} service died at start-up ({e}); starting it once more", file=sys.stderr,
+                  flush=True)
+            continue
+        break
+    try:
+        yield address
+    except BaseException:
+        if not starting.__exit__(*sys.exc_info()):
+            raise
+    else:
+        starting.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _local_service(module: str, args: list[str], *, name: str, echo: bool = True, start_timeout: float = 120.0,
                   env: dict[str, str] | None = None, port: int = 0,
                   process: list[subprocess.Popen] | None = None, wait_serving: bool = False,
                   serving_timeout: float = 600.0) -> Iterator[str]:
@@ -63,6 +89,7 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=_die_with_parent if _own_children() else None)
     if process is not None:
+        process[:] = [p for p in process if p.poll() is None]  # a start that died is not the process
         process.append(proc)
     listening, serving, failed = threading.Event(), threading.Event(), threading.Event()
     address: list[str] = []
@@ -86,9 +113,9 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        _wait(listening, proc, start_timeout, name, last, "did not start listening")
+        _wait(listening, proc, start_timeout, name, last, "did not start listening", listened=False)
         if not address:
-            raise ServiceExited(name, proc.wait(), list(last))
+            raise ServiceExited(name, proc.wait(), list(last), listened=False)
         if wait_serving:
             _wait(serving, proc, serving_timeout, name, last, "did not report SERVING")
         if failed.is_set():  # the service said so: do not wait for it to exit
@@ -100,7 +127,7 @@ def local_service(module: str, args: list[str], *, name: str, echo: bool = True,
 
 
 def _wait(event: threading.Event, proc: subprocess.Popen, timeout: float, name: str, last: collections.deque,
-          what: str) -> None:
+          what: str, listened: bool = True) -> None:
     deadline = time.monotonic() + timeout
     while not event.wait(0.2):
         if proc.poll() is not None:
@@ -109,7 +136,7 @@ def _wait(event: threading.Event, proc: subprocess.Popen, timeout: float, name: 
             raise ServiceExited(name, None, list(last), what=f"{what} within {timeout:g} s")
     if proc.poll() is not None:
         time.sleep(0.1)  # let the pump read the last lines
-        raise ServiceExited(name, proc.returncode, list(last))
+        raise ServiceExited(name, proc.returncode, list(last), listened=listened)
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
