@@ -110,7 +110,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
-              cost_profile: bool = True,
+              cost_profile: bool = True, connect_timeout: float = 15.0,
               baselines: tuple[str, ...] = (), log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
@@ -145,7 +145,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
                                                   proposal=proposal, budget=budget, kernel=kernel, proposer=proposer,
                                                   draft_timeout=draft_timeout))
-        client.wait_ready(timeout=600, unreachable_after=15)
+        client.wait_ready(timeout=600, unreachable_after=connect_timeout)
         info = client.model_info()
         config = {
             "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),

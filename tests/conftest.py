@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,8 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CPU test run interprets Triton kernels (there is no GPU), so say so before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Services started by the tests cache their start-up cost tables here (one profile per test run), never in ~/.cache.
-os.environ.setdefault("DSPARK_COST_CACHE", tempfile.mkdtemp(prefix="dspark-cost-tables-"))
+# Services started by the tests cache their start-up cost tables here (one profile per test run, removed at exit),
+# never in ~/.cache.
+if "DSPARK_COST_CACHE" not in os.environ:
+    os.environ["DSPARK_COST_CACHE"] = tempfile.mkdtemp(prefix="dspark-cost-tables-")
+    atexit.register(shutil.rmtree, os.environ["DSPARK_COST_CACHE"], ignore_errors=True)
 # One torch thread in this process and in every service it starts (they inherit OMP_NUM_THREADS): the test process
 # and a service, or two services, take turns on CI's 2 cores, and with another job on one of them an OpenMP team of
 # two waits at every barrier for its descheduled thread (measured: a small matmul 4x slower than on one thread).

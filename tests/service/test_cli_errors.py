@@ -166,5 +166,5 @@ def test_bench_against_an_address_where_nothing_answers_fails_instead_of_waiting
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
     out = run("dspark", "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--modes", "ar", "--json",
-              str(tmp_path / "b.json"), "--target", NOBODY)
+              str(tmp_path / "b.json"), "--target", NOBODY, "--connect-timeout", "1")
     assert_one_line(out, 1, f"nothing answers at {NOBODY}", "is the service running")
