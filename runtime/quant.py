@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import gguf
 import torch
 
+from .gguf_reader import GGUFTensor
+
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
 GROUP = 32
@@ -40,7 +42,7 @@ class QuantBlocks:
         return QuantBlocks(self.qtype, data, self.shape)
 
 
-def blocks_of(tensor: gguf.gguf_reader.ReaderTensor) -> QuantBlocks | None:
+def blocks_of(tensor: GGUFTensor) -> QuantBlocks | None:
     """A Q4_0/Q4_1 2-D tensor's blocks (in torch order: [out, bytes per row]); None for any other tensor."""
     qtype = Q(tensor.tensor_type)
     if qtype not in INT4_TYPES or len(tensor.shape) != 2:

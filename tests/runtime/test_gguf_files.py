@@ -1,8 +1,11 @@
-"""GGUF dequantization per tensor type, and tiny GGUF models written the way llama.cpp's converter does."""
+"""Our GGUF reader against gguf.GGUFReader, dequantization per tensor type, and tiny GGUF models written the way
+llama.cpp's converter does."""
 
 from __future__ import annotations
 
 import math
+import struct
+import time
 from pathlib import Path
 
 import gguf
@@ -10,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.gguf_reader import dequantize_tensor, open_gguf
+from dspark_grpc.runtime.gguf_reader import GGUFFile, dequantize_tensor, open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.safetensors_reader import read_hf_config, read_safetensors
 from dspark_grpc.runtime.transformer import Transformer
 from runtime_helpers import forward_all, random_tokens
 
 Q = gguf.GGMLQuantizationType
+V = gguf.GGUFValueType
 OUT, IN = 6, 512  # two 256-element super-blocks per row for the K-quants
 QUANTIZABLE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0]  # gguf.quants.quantize supports these
 K_QUANTS = [Q.Q4_K, Q.Q6_K]
@@ -55,6 +59,146 @@ def quant_file(tmp_path_factory) -> tuple[Path, dict[str, tuple[Q, np.ndarray, n
     writer.write_tensors_to_file()
     writer.close()
     return path, expected
+
+
+# -- our reader against gguf.GGUFReader --------------------------------------------------------------------
+
+
+def _types(value: object) -> object:
+    return [type(x) for x in value] if isinstance(value, list) else type(value)
+
+
+def assert_reads_like_gguf(ours: GGUFFile, ref: gguf.GGUFReader) -> None:
+    """Every key/value equal to ReaderField.contents() (types too), every tensor's name/type/shape/data equal."""
+    expected = {key: field.contents() for key, field in ref.fields.items() if not key.startswith("GGUF.")}
+    got = read_gguf_metadata(ours)
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert got[key] == value and _types(got[key]) == _types(value), key
+    assert (ours.alignment, ours.data_offset) == (ref.alignment, ref.data_offset)
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert type(a.tensor_type) is type(b.tensor_type) and a.tensor_type == b.tensor_type, a.name
+        assert a.shape.dtype == np.uint64 and a.shape.tolist() == b.shape.tolist(), a.name  # native, also big-endian
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert a.data.tobytes() == b.data.tobytes() and not a.data.flags.writeable, a.name
+
+
+def test_reader_matches_gguf_on_default_model(smollm2_path):
+    t0 = time.perf_counter()
+    ours = open_gguf(smollm2_path)
+    read_gguf_metadata(ours)
+    t1 = time.perf_counter()
+    ref = gguf.GGUFReader(smollm2_path)
+    {key: field.contents() for key, field in ref.fields.items()}
+    t2 = time.perf_counter()
+    print(f"open + metadata of {smollm2_path.name}: ours {t1 - t0:.3f} s, gguf.GGUFReader {t2 - t1:.3f} s")
+    assert_reads_like_gguf(ours, ref)
+    assert len(read_gguf_metadata(ours)["tokenizer.ggml.tokens"]) == 49152
+
+
+_SCALARS = {
+    V.UINT8: 255, V.INT8: -128, V.UINT16: 65535, V.INT16: -32768, V.UINT32: 2**32 - 1, V.INT32: -(2**31),
+    V.UINT64: 2**64 - 1, V.INT64: -(2**63), V.FLOAT32: 0.1, V.FLOAT64: 0.1, V.BOOL: True,
+}  # fmt: skip
+
+
+def _write_every_type(path: Path, endianess: gguf.GGUFEndian) -> None:
+    """Every value type as a scalar and as an array (strings incl. non-ASCII and empty, nested arrays), tensors of
+    the element types in 1-3 dims, a block-quantized one, and alignment 64."""
+    w = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    w.add_custom_alignment(64)
+    for vtype, value in _SCALARS.items():
+        w.add_key_value(f"test.{vtype.name.lower()}", value, vtype)
+        w.add_key_value(f"test.{vtype.name.lower()}s", [value, 0, value], V.ARRAY, sub_type=vtype)
+    w.add_key_value("test.string", "h\u00e9llo \u2713 \u4e16\u754c", V.STRING)
+    w.add_key_value("test.empty_string", "", V.STRING)
+    w.add_key_value("test.strings", ["a", "", "\u00fcber", "\U0001f600" * 3], V.ARRAY, sub_type=V.STRING)
+    w.add_key_value("test.nested", [[1, 2], [3]], V.ARRAY)
+    w.add_key_value("test.nested_strings", [["x", "y"], ["z"]], V.ARRAY)
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float16, np.float64, np.int8, np.int16, np.int32, np.int64):
+        w.add_tensor(f"t.{np.dtype(dtype).name}", (rng.normal(0, 50, size=(3, 5, 7))).astype(dtype))
+    w.add_tensor("t.vector", rng.normal(size=11).astype(np.float32))
+    q8 = gguf.quants.quantize(rng.normal(size=(4, 64)).astype(np.float32), Q.Q8_0)
+    w.add_tensor("t.q8_0", q8, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def every_type_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "every_type.gguf"
+    _write_every_type(path, gguf.GGUFEndian.LITTLE)
+    return path
+
+
+def test_reader_matches_gguf_on_every_type(every_type_file):
+    ours = open_gguf(every_type_file)
+    assert_reads_like_gguf(ours, gguf.GGUFReader(every_type_file))
+    meta = read_gguf_metadata(ours)
+    assert meta["test.nested"] == [1, 2, 3] and meta["test.nested_strings"] == ["x", "y", "z"]  # flattened as gguf
+    assert meta["test.bools"] == [True, False, True] and ours.alignment == 64 and ours.data_offset % 64 == 0
+
+
+def test_reader_matches_gguf_on_big_endian_file(tmp_path):
+    path = tmp_path / "big.gguf"
+    _write_every_type(path, gguf.GGUFEndian.BIG)
+    ours = open_gguf(path)
+    assert_reads_like_gguf(ours, gguf.GGUFReader(path))
+    assert read_gguf_metadata(ours)["test.uint32"] == 2**32 - 1 and ours.tensors[0].data.dtype == np.dtype(">f4")
+
+
+def test_reader_reads_empty_arrays(tmp_path):
+    """gguf's writer refuses empty arrays, so this file is written by hand."""
+
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    def empty_array(key: str, item_type: gguf.GGUFValueType) -> bytes:
+        return string(key) + struct.pack("<IIQ", V.ARRAY, item_type, 0)
+
+    path = tmp_path / "empty_arrays.gguf"
+    path.write_bytes(
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + empty_array("a.ints", V.INT32) + empty_array("a.strs", V.STRING)
+    )
+    ours = open_gguf(path)
+    assert read_gguf_metadata(ours) == {"a.ints": [], "a.strs": []} and ours.tensors == []
+    assert_reads_like_gguf(ours, gguf.GGUFReader(path))
+
+
+def test_reader_matches_gguf_on_quant_file(quant_file):
+    path, _ = quant_file
+    assert_reads_like_gguf(open_gguf(path), gguf.GGUFReader(path))
+
+
+def test_truncated_file_is_a_value_error(every_type_file, tmp_path):
+    """Cut anywhere in the header (or in the first tensor's data): a ValueError naming the file, never another error."""
+    raw = every_type_file.read_bytes()
+    data_offset = open_gguf(every_type_file).data_offset
+    path = tmp_path / "cut.gguf"
+    for cut in range(data_offset + 2):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(ValueError) as e:
+            open_gguf(path)
+        message = str(e.value)
+        assert message.startswith(f"{path}: ") and ("truncated" in message if cut >= 4 else "GGUF" in message), cut
+
+
+@pytest.mark.parametrize(
+    ("offset", "patch", "message"),
+    [(0, b"GGML", r"not a GGUF file \(magic b'GGML'"), (4, struct.pack("<I", 1), "version 1 is not supported")],
+    ids=["magic", "version"],
+)
+def test_bad_header_is_a_value_error(every_type_file, tmp_path, offset, patch, message):
+    raw = bytearray(every_type_file.read_bytes())
+    raw[offset : offset + len(patch)] = patch
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=message):
+        open_gguf(path)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
@@ -205,3 +349,10 @@ def test_tiny_qwen2_gguf_matches_hf_gguf_loader(tiny_hf_models, tmp_path):
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(forward_all(ours, tokens).logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama_yarn", "llama3", "qwen3"])
+def test_reader_matches_gguf_on_tiny_models(tiny_hf_models, tmp_path, name):
+    path = tmp_path / f"{name}.gguf"
+    write_gguf_like_llama_cpp(tiny_hf_models[name], path, "qwen3" if name == "qwen3" else "llama")
+    assert_reads_like_gguf(open_gguf(path), gguf.GGUFReader(path))
