@@ -2,7 +2,7 @@
 `AsyncTargetClient`."""
 
 from dspark_grpc.client.aio import AsyncTargetClient
-from dspark_grpc.client.generation import RequestError
 from dspark_grpc.client.sdk import GenerationResult, TargetClient
+from dspark_grpc.speculation.generation import RequestError
 
 __all__ = ["AsyncTargetClient", "GenerationResult", "RequestError", "TargetClient"]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, SessionStream, TargetClient
-from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 
 
 class AsyncTargetClient:
@@ -35,9 +35,6 @@ class AsyncTargetClient:
 
     async def model_info(self) -> target_pb2.GetModelInfoResponse:
         return await asyncio.to_thread(self._client.model_info)
-
-    async def drafter_info(self) -> draft_pb2.GetDrafterInfoResponse:
-        return await asyncio.to_thread(self._client.drafter_info)
 
     async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         stats = common_pb2.GenerationStats()

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
+from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.speculation.channel import make_channel
 
 DRAFTER_MODES = ("speculation", "adaptive")
 OVERRIDES = ("proposal", "proposer", "kernel", "budget")
@@ -41,7 +43,7 @@ def parse_mode(name: str) -> tuple[str, dict]:
     one bench run can compare several speculation settings against one AR pass."""
     mode, *options = name.split("/")
     if mode not in MODES:
-        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        raise ValueError(f"mode {mode!r} is not one of {tuple(MODES)}")
     overrides = {}
     for option in options:
         key, _, value = option.partition("=")
@@ -104,6 +106,13 @@ def _parse_prompt(item: object) -> dict:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
 
+def drafter_info(address: str, timeout: float = 30.0) -> draft_pb2.GetDrafterInfoResponse:
+    """Who a draft service is (for the bench's record and the demo's banner)."""
+    with make_channel(address) as channel:
+        return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
+                                                                       timeout=timeout)
+
+
 def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
               target: str | None = None, drafter: str | None = None, proposal: str = "chain", budget: int = 0,
               kernel: str = "auto", *, proposer: str = "default", ignore_eos: bool = False,
@@ -129,22 +138,25 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     profile = [] if cost_profile else ["--no-cost-profile"]  # for the services started here
     started = []
     with ExitStack() as stack:
-        if target is None:
-            started.append("target")
-            log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
-            args = ["--max-sessions", sessions, *profile] + (["--model", target_model] if target_model else [])
-            # SERVING before the drafter starts: the two start-up cost profiles must not share the CPU
-            target = stack.enter_context(local_target(args, wait_serving=True))
-        if drafter is None and needs_drafter:
+        if target is not None and drafter is not None:
+            raise ValueError("--drafter is the draft service a started target uses; a running target (--target) "
+                             "drafts with the drafter it was started with")
+        if target is None and drafter is None and needs_drafter:
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
             args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
                                                                                          *profile]
+            # SERVING before the target starts: the two start-up cost profiles must not share the CPU
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else []), wait_serving=True))
-        client = stack.enter_context(TargetClient(target, drafter=drafter if needs_drafter else None,
-                                                  proposal=proposal, budget=budget, kernel=kernel, proposer=proposer,
-                                                  draft_timeout=draft_timeout))
+        if target is None:
+            started.insert(0, "target")
+            log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
+            args = ["--max-sessions", sessions, "--draft-timeout", str(draft_timeout), *profile] + \
+                (["--model", target_model] if target_model else []) + (["--drafter", drafter] if drafter else [])
+            target = stack.enter_context(local_target(args, wait_serving=True))
+        client = stack.enter_context(TargetClient(target, proposal=proposal, budget=budget, kernel=kernel,
+                                                  proposer=proposer))
         client.wait_ready(timeout=600, unreachable_after=connect_timeout)
         info = client.model_info()
         config = {
@@ -156,10 +168,11 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "cost_profile": cost_profile,
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
-                            "num_layers": info.num_layers, "device": info.device},
+                            "num_layers": info.num_layers, "device": info.device,
+                            "speculation_available": info.speculation_available},
         }
-        if needs_drafter:
-            d = client.drafter_info()
+        if drafter is not None:
+            d = drafter_info(drafter)
             config["drafter_info"] = {"name": d.name, "block_size": d.block_size,
                                       "target_layer_ids": list(d.target_layer_ids), "markov_rank": d.markov_rank}
 

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_grpc.client.generation import RequestError
 from dspark_grpc.client.local_stack import ServiceExited, local_target, stop_on_signals
 from dspark_grpc.client.sdk import (
     DEFAULT_TARGET,
@@ -21,6 +20,7 @@ from dspark_grpc.client.sdk import (
     TargetClient,
     make_channel,
 )
+from dspark_grpc.speculation.generation import RequestError
 from google.protobuf.json_format import MessageToDict
 
 from dspark_grpc.cli_common import (
@@ -190,10 +190,9 @@ def parser() -> OneLineParser:
                    help="chat messages as JSON: [{\"role\": \"user\", \"content\": \"...\"}]; roles: system, "
                         "user, assistant, tool")
     g.add_argument("--target", default=DEFAULT_TARGET, help="the target service's address (host:port)")
-    g.add_argument("--drafter", default=None, help="draft service address (host:port) to speculate with")
-    g.add_argument("--mode", choices=MODES, default=None,
-                   help="ar = target only; speculation = draft every step (needs --drafter); adaptive = speculate "
-                        "when a drafter is given. Default: adaptive with --drafter, ar without")
+    g.add_argument("--mode", choices=tuple(MODES), default="adaptive",
+                   help="ar = target only; speculation = draft every step (the target must have been started with "
+                        "--drafter); adaptive = speculate while it pays (AR where the target has no drafter)")
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     _security_args(g)
     _generation_args(g)
@@ -213,7 +212,8 @@ def parser() -> OneLineParser:
     b.add_argument("--json", dest="json_out", required=True, help="write the result JSON here")
     b.add_argument("--plot", default=None, help="write a PNG (tok/s vs concurrency, per-position acceptance)")
     b.add_argument("--target", default=None, help="a running target service; default: start one")
-    b.add_argument("--drafter", default=None, help="a running draft service; default: start one")
+    b.add_argument("--drafter", default=None,
+                   help="a running draft service for the target bench starts; default: start one")
     b.add_argument("--drafter-checkpoint", default=None,
                    help="checkpoint for the started draft service (embedded, random, none = prompt lookup only, or "
                         "a path); default: the draft service's (embedded for the embedded target)")
@@ -265,11 +265,8 @@ def _main(argv: list[str] | None) -> None:
         if args.prompt is None and args.messages is None:
             g.error("give a prompt (plain text) or --messages (chat JSON)")
         prompt = {"prompt": args.prompt} if args.prompt is not None else {"messages": args.messages}
-        mode = args.mode or ("adaptive" if args.drafter else "ar")
-        if mode == "speculation" and not args.drafter:
-            g.error("--mode speculation needs --drafter ADDRESS")
         try:
-            client = TargetClient(args.target, drafter=args.drafter, mode=mode, proposal=args.proposal,
+            client = TargetClient(args.target, mode=args.mode, proposal=args.proposal,
                                   budget=args.budget, kernel=args.kernel, proposer=args.proposer,
                                   security=_security(g, args))
         except ValueError as e:
@@ -287,18 +284,19 @@ def _main(argv: list[str] | None) -> None:
 
 def _demo(args: argparse.Namespace) -> None:
     """The main job: both services on loopback, the same request with AR and with speculation."""
+    from dspark_grpc.client.bench import drafter_info
     from dspark_grpc.client.local_stack import local_drafter
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
           f"({args.drafter_checkpoint}) on free loopback ports...", file=sys.stderr, flush=True)
     with contextlib.ExitStack() as stack:
-        # SERVING before the drafter starts: the two start-up cost profiles must not share the CPU
-        target = stack.enter_context(local_target([], wait_serving=True))
+        # SERVING before the target starts: the two start-up cost profiles must not share the CPU
         drafter = stack.enter_context(local_drafter(["--drafter", args.drafter_checkpoint], wait_serving=True))
-        client = stack.enter_context(TargetClient(target, drafter=drafter, proposal=args.proposal, budget=args.budget,
+        target = stack.enter_context(local_target(["--drafter", drafter], wait_serving=True))
+        client = stack.enter_context(TargetClient(target, proposal=args.proposal, budget=args.budget,
                                                   kernel=args.kernel, proposer=args.proposer))
         client.wait_ready(timeout=300)
-        info, dinfo = client.model_info(), client.drafter_info()
+        info, dinfo = client.model_info(), drafter_info(drafter)
         print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) at {target}; "
               f"drafter {dinfo.name} at {drafter}", file=sys.stderr)
         messages = [{"role": "user", "content": args.message}]
@@ -319,6 +317,9 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
 
     if args.drafter and args.drafter_checkpoint:
         p.error("give --drafter (a running service) or --drafter-checkpoint (start one), not both")
+    if args.drafter and args.target:
+        p.error("--drafter is for the target bench starts; a running --target drafts with the drafter it was started "
+                "with")
     if not Path(args.json_out).resolve().parent.is_dir():
         p.error(f"--json {args.json_out}: no such directory")
     import importlib.util

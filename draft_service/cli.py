@@ -10,12 +10,12 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.client.cost_table import default_cache_dir
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
+from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from dspark_grpc.cli_common import OneLineParser
 

@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from dspark_grpc.client.cost_table import CostKey, CostTable, load_or_profile
 from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
 from dspark_grpc.runtime.cost_profile import draft_key, time_sizes
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.linear import matmul_kind
 from dspark_grpc.runtime.markov import draft_chain
 from dspark_grpc.runtime.markov_triton import triton_runnable
@@ -52,8 +51,12 @@ from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
+from dspark_grpc.speculation.cost_table import CostKey, CostTable, load_or_profile
 
 PROTOCOL_VERSION = 1
+# How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
+# that never gets to run is waited for this long: one that needs no pass says so when it ends).
+ROUND_WAIT_S = 2.0
 KERNELS = ("auto", "fused", "torch")
 PROPOSERS = ("dspark", "ngram", "hybrid")
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
@@ -130,7 +133,8 @@ class DraftEngine:
         if drafter is not None:
             B = drafter.config.block_size
             self._passes = StepBatcher(drafter.forward_blocks, rows=lambda job: B, max_rows=B * limits.max_sessions,
-                                       name="drafter-pass", on_batch=self._observe_pass)
+                                       name="drafter-pass", on_batch=self._observe_pass,
+                                       session=lambda job: id(job[0]))
 
     def close(self) -> None:
         if self._passes is not None:
@@ -172,7 +176,7 @@ class DraftEngine:
     # -- sessions ---------------------------------------------------------------------------------
 
     def open_session(self, target: tuple[str, str] | None, protocol_version: int = PROTOCOL_VERSION,
-                     owner: object = None) -> str:
+                     owner: object = None, session_id: str = "") -> str:
         if protocol_version not in (0, PROTOCOL_VERSION):
             raise FailedPrecondition(f"protocol version {protocol_version} is not supported; this drafter speaks "
                                      f"version {PROTOCOL_VERSION}")
@@ -184,7 +188,7 @@ class DraftEngine:
                 f"this drafter was built for another target (model {self.target_fingerprint[0][:12]}…, tokenizer "
                 f"{self.target_fingerprint[1][:12]}…), not model {target[0][:12]}…, tokenizer {target[1][:12]}…")
         context = self.drafter.new_context() if self.drafter is not None else None
-        return self.sessions.create(DraftSession(context, NgramIndex(self.limits.ngram_max)), owner)
+        return self.sessions.create(DraftSession(context, NgramIndex(self.limits.ngram_max)), owner, session_id)
 
     def release(self, session_id: str) -> None:
         self.sessions.release(session_id)
@@ -265,14 +269,31 @@ class DraftEngine:
         s = self.sessions.get(session_id)
         proposer = proposer or self.default_proposer
         t0 = time.perf_counter()
-        with s.lock:
-            out = self._propose(s, anchor_token, anchor_position, tree, budget, kernel, temperature, generator,
-                                proposer)
+        try:
+            with s.lock:
+                out = self._propose(s, anchor_token, anchor_position, tree, budget, kernel, temperature, generator,
+                                    proposer)
+        finally:
+            if self._passes is not None:  # a proposal that needed no drafter pass: its round does not wait for it
+                self._passes.unexpect(id(s.context))
         out.proposer, out.compute_seconds = proposer, time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.observe_proposal(proposer, "tree" if tree else "chain", len(out.tokens) - 1,
                                           out.compute_seconds)
         return out
+
+    def expect_proposals(self, session_ids: list[str], within_s: float = ROUND_WAIT_S) -> None:
+        """The proposals of these sessions are about to be asked for from their own threads (a DraftRound): their
+        drafter passes run as one."""
+        if self._passes is None:
+            return
+        contexts = []
+        for sid in session_ids:
+            try:
+                contexts.append(id(self.sessions.get(sid).context))
+            except NotFound:
+                pass  # its proposal fails on its own
+        self._passes.expect(contexts, within_s)
 
     def _propose(self, s: DraftSession, anchor_token: int, anchor_position: int, tree: bool, budget: int,
                  kernel: str, temperature: float, generator: torch.Generator | None, proposer: str) -> ProposalResult:

@@ -29,6 +29,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_message_bytes = max_message_bytes
         # a thread per live session (each may wait for its shared drafter pass) and a few for quick operations
         self.executor = executor or ThreadPoolExecutor(max_workers=max_sessions + 4, thread_name_prefix="draft")
+        # the proposals of DraftRounds, each in its own thread so that their drafter passes run as one
+        self.round_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-round")
 
     def ready_engine(self) -> DraftEngine:
         if self.engine is None:
@@ -70,12 +72,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _dispatch(self, request: draft_pb2.DraftSessionRequest, owner: object) -> dict:
         engine = self.ready_engine()
         op = request.WhichOneof("op")
+        if op == "round":
+            return dict(round=self._round(engine, request.round, owner))
         if op not in (None, "open"):  # a session belongs to the stream that opened it
             engine.sessions.get(getattr(request, op).session_id, owner)
         if op == "open":
             m = request.open
             target = (m.target.model, m.target.tokenizer) if m.HasField("target") else None
-            sid = engine.open_session(target, m.protocol_version, owner)
+            sid = engine.open_session(target, m.protocol_version, owner, m.session_id)
             layers = engine.config.target_layer_ids if engine.config is not None else ()
             return dict(opened=draft_pb2.DraftOpened(session_id=sid, target_layer_ids=layers))
         if op == "append":
@@ -122,4 +126,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if op == "release":
             engine.release(request.release.session_id)
             return dict(released=draft_pb2.DraftReleased())
-        raise InvalidArgument("empty request: set one of open, append, propose, truncate, release")
+        raise InvalidArgument("empty request: set one of open, append, propose, truncate, release, round")
+
+    def _round(self, engine: DraftEngine, m: draft_pb2.DraftRound, owner: object) -> draft_pb2.DraftRoundResult:
+        """Every op but the proposals first, in order; then the proposals, together (one drafter pass)."""
+        if any(o.WhichOneof("op") == "round" for o in m.ops):
+            raise InvalidArgument("a round may not hold another round")
+        results: list[draft_pb2.DraftSessionResponse | None] = [None] * len(m.ops)
+        proposals = [i for i, o in enumerate(m.ops) if o.WhichOneof("op") == "propose"]
+        for i, o in enumerate(m.ops):
+            if results[i] is None and i not in proposals:
+                results[i] = self.handle(o, owner)
+        engine.expect_proposals([m.ops[i].propose.session_id for i in proposals])
+        futures = {i: self.round_executor.submit(self.handle, m.ops[i], owner) for i in proposals}
+        for i, future in futures.items():
+            results[i] = future.result()
+        return draft_pb2.DraftRoundResult(results=results)

@@ -15,13 +15,17 @@ Sessions come back at slightly different times after a batch (each accepts, comm
 first). Taking only the first to return would split them into alternating half batches, so the worker waits up
 to `gather` x the last batch's seconds for every session (`session(job)`) seen in the last two batches to queue
 its next job. A session that went away costs that wait at most twice. Without `session` it never waits.
+
+A caller that knows which sessions are about to submit (the sessions of one speculative round, each submitting from
+its own thread) says so with `expect`: the next batch then waits for all of them (up to a bound), so the round runs
+as one forward whatever the threads' timing.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -64,6 +68,7 @@ class StepBatcher(Generic[J, R]):
         self.gather, self.session, self.clock = gather, session, clock
         self._last_seconds = 0.0
         self._recent: list[set] = [set(), set()]  # sessions of the last two batches
+        self._expected: dict[Hashable, float] = {}  # session -> until when the next batch waits for it (`expect`)
         self._queue: list[_Ticket[J, R]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -79,6 +84,20 @@ class StepBatcher(Generic[J, R]):
         assert ticket.info is not None
         return ticket.result, ticket.info
 
+    def expect(self, sessions: Iterable[Hashable], within_s: float) -> None:
+        """The next batch waits, for up to `within_s`, until each of `sessions` has queued a job (or is
+        `unexpect`ed: a caller whose step failed before it submitted)."""
+        with self._cv:
+            until = self.clock() + within_s
+            for session in sessions:
+                self._expected[session] = until
+            self._cv.notify()
+
+    def unexpect(self, session: Hashable) -> None:
+        with self._cv:
+            if self._expected.pop(session, None) is not None:
+                self._cv.notify()
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn()` on the worker between batches (not batched); blocks until it ran; re-raises its error."""
         ticket: _Ticket[J, R] = _Ticket(None, 0, threading.Event(), None, call=fn)  # type: ignore[arg-type]
@@ -90,6 +109,7 @@ class StepBatcher(Generic[J, R]):
             if self._closed:
                 raise RuntimeError("the step batcher is closed")
             self._queue.append(ticket)
+            self._expected.pop(ticket.session, None)
             self._cv.notify()
         ticket.done.wait()
         if ticket.error is not None:
@@ -109,13 +129,17 @@ class StepBatcher(Generic[J, R]):
                 return None
             if self._queue[0].call is not None:
                 return [self._queue.pop(0)]
-            expected = self._recent[0] | self._recent[1]
-            deadline = self.clock() + self.gather * self._last_seconds
-            while not self._closed and not expected <= {t.session for t in self._queue}:
-                left = deadline - self.clock()
-                if left <= 0:
+            recent = self._recent[0] | self._recent[1]
+            gather_until = self.clock() + self.gather * self._last_seconds
+            while not self._closed:
+                now = self.clock()
+                self._expected = {s: until for s, until in self._expected.items() if until > now}
+                waits = list(self._expected.values())
+                if now < gather_until and not recent <= {t.session for t in self._queue}:
+                    waits.append(gather_until)
+                if not waits:
                     break
-                self._cv.wait(left)
+                self._cv.wait(max(waits) - now)
             batch = [self._queue.pop(0)]
             rows = batch[0].rows
             while self._queue and self._queue[0].call is None and rows + self._queue[0].rows <= self.max_rows:

@@ -1,4 +1,4 @@
-"""Profilers that make the cost tables (dspark_grpc.client.cost_table) of a target and a drafter on this machine."""
+"""Profilers that make the cost tables (dspark_grpc.speculation.cost_table) of a target and a drafter here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from dspark_grpc.client.cost_table import (
+from dspark_grpc.speculation.cost_table import (
     DEFAULT_SIZES,
     CostKey,
     CostTable,

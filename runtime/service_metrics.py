@@ -1,4 +1,4 @@
-"""Prometheus metrics of the services' own work (client/metrics.py has the per-request spec-decode ones).
+"""Prometheus metrics of the services' own work (speculation/metrics.py has the per-request spec-decode ones).
 
 - `ForwardMetrics(model)`: batched forwards of one model, `observe_forward(sessions, rows, seconds)` once per
   forward: histograms `<p>:<model>_forward_seconds`, `<p>:<model>_forward_rows` and
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dspark_grpc.client.metrics import SECONDS_BUCKETS, TOKEN_BUCKETS, _prometheus, start_metrics_server
+from dspark_grpc.speculation.metrics import SECONDS_BUCKETS, TOKEN_BUCKETS, _prometheus, start_metrics_server
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SESSION_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

@@ -3,6 +3,7 @@ an idle TTL. A session belongs to its owner (the stream that opened it): to anyo
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -10,7 +11,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from dspark_grpc.runtime.errors import NotFound, ResourceExhausted
+from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 
 S = TypeVar("S")
 
@@ -27,6 +28,9 @@ class _Entry(Generic[S]):
     state: S
     owner: Hashable
     last_used: float = field(default_factory=time.monotonic)
+
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _principal(owner: Hashable) -> str | None:
@@ -51,9 +55,15 @@ class SessionStore(Generic[S]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def create(self, state: S, owner: Hashable = None) -> str:
+    def create(self, state: S, owner: Hashable = None, session_id: str = "") -> str:
+        """A new session under `session_id` if given (1-64 letters, digits, '-' or '_', not in use), else a fresh
+        random id."""
+        if session_id and not _SESSION_ID.fullmatch(session_id):
+            raise InvalidArgument(f"session id {session_id[:80]!r}: use 1-64 letters, digits, '-' or '_'")
         self.evict_idle()
         with self._lock:
+            if session_id in self._entries:
+                raise InvalidArgument(f"session id {session_id!r} is in use; open under another id or none")
             if len(self._entries) >= self.max_sessions:
                 raise ResourceExhausted(
                     f"too many live sessions ({self.max_sessions}); release finished sessions or raise "
@@ -65,7 +75,7 @@ class SessionStore(Generic[S]):
                     raise ResourceExhausted(
                         f"this client already holds {held} live sessions, the most one principal may hold "
                         f"(--max-sessions-per-principal {self.max_per_principal}); release finished sessions")
-            session_id = uuid.uuid4().hex
+            session_id = session_id or uuid.uuid4().hex
             self._entries[session_id] = _Entry(state, owner, self._clock())
             return session_id
 

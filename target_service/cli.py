@@ -9,10 +9,10 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.client.sdk import ChannelSecurity
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
+from dspark_grpc.speculation.channel import ChannelSecurity
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                               default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions)
     observe_forward = None
     if args.metrics_port is not None:
-        from dspark_grpc.client.metrics import SpecDecodeMetrics
         from dspark_grpc.runtime.service_metrics import ForwardMetrics, live_sessions_gauge
+        from dspark_grpc.speculation.metrics import SpecDecodeMetrics
 
         servicer.metrics = SpecDecodeMetrics()
         forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
                                    precision=args.precision)
         if not args.no_cost_profile:
-            from dspark_grpc.client.cost_table import default_cache_dir
             from dspark_grpc.runtime.cost_profile import target_cost_tables
+            from dspark_grpc.speculation.cost_table import default_cache_dir
 
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
             engine.cost_tables = target_cost_tables(engine.model, args.cost_cache or default_cache_dir(), progress=say)

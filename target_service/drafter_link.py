@@ -1,22 +1,19 @@
 """The Generate RPC's link to its draft service: one channel, a health probe, the drafter's info.
 
-A request speculates only while the probes find the drafter SERVING, so a dead or stalled drafter costs new
-requests nothing and AR requests never wait on it. When the drafter reports NOT_SERVING, or does not answer two
-probes in a row (one late answer on a busy machine is not a stall), the draft streams of the requests under way
-are cancelled (they finish target-only, same tokens): a stall costs each of them at most two probe periods (or the
-draft timeout, if shorter). The drafter is used again one probe interval after it is back.
+A session drafts only while the probes find the drafter SERVING, so a dead or stalled drafter costs new sessions
+nothing and AR steps never wait on it. When the drafter reports NOT_SERVING, or does not answer two probes in a row
+(one late answer on a busy machine is not a stall), the draft stream (target_service/draft_rounds.py) is cancelled:
+the sessions under way finish target-only (same tokens), a stall costing each of them at most two probe periods (or
+the draft timeout, if shorter). The drafter is used again one probe interval after it is back.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import grpc
-from dspark_grpc.client.generation import SpeculationConfig
-from dspark_grpc.client.planner import PlannerMemory
-from dspark_grpc.client.sdk import SessionStream
-from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PROBE_INTERVAL_S = 0.5
@@ -80,24 +77,12 @@ class DrafterLink:
         for s in streams:
             s.close(f"dropped: {reason}")
 
-    def open(self, stats: common_pb2.GenerationStats, stream_timeout: float | None, kind: int, budget: int,
-             kernel: int, proposer: int, adaptive: bool, verify_costs: Sequence[common_pb2.CostTable],
-             memory: PlannerMemory) -> SpeculationConfig | None:
-        """A draft stream for one request (no round trip); None, with the reason in stats, while the drafter is
-        down. Hand the stream back with `close`."""
+    def open_stream(self) -> SessionStream | None:
+        """A DraftSession stream (no round trip), closed by the probe when the drafter goes down; None while it
+        is down."""
         with self._lock:
-            info = self.info
-            if info is None:
-                stats.fallback_reason = f"{self.down_reason}; target-only"
+            if self.info is None:
                 return None
-            stream = SessionStream(self.stub.DraftSession, stream_timeout)
+            stream = SessionStream(self.stub.DraftSession, None)
             self._streams.add(stream)
-        timeout = min((t for t in (self.draft_timeout, stream_timeout) if t), default=None)
-        return SpeculationConfig(drafter=stream, info=info, kind=kind, budget=budget, kernel=kernel,
-                                 proposer=proposer, adaptive=adaptive, timeout_s=timeout,
-                                 verify_costs=list(verify_costs), memory=memory)
-
-    def close(self, speculation: SpeculationConfig) -> None:
-        with self._lock:
-            self._streams.discard(speculation.drafter)
-        speculation.drafter.close()
+            return stream

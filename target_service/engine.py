@@ -21,7 +21,7 @@ from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.kv_cache import KVCache
 from dspark_grpc.runtime.sampling import SamplingParams, make_generator
 from dspark_grpc.runtime.sessions import SessionStore
@@ -32,6 +32,9 @@ from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, valid
 from dspark_grpc.cli_common import CHAT_ROLES
 
 PROTOCOL_VERSION = 1
+# How long a speculative round's forward waits for a session of the round that has not submitted its verify yet
+# (only a step thread that never gets to run waits this long: one that fails first says so).
+ROUND_WAIT_S = 2.0
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -258,6 +261,30 @@ class TargetEngine:
         s.pending_tree = PendingTree(list(tokens), list(parents), captures)
         committed = self._commit(s, path, next_token) if commit else None
         return Verified(path, next_token, logits if return_logits else None, committed, batches[-1])
+
+    def step_state(self, session_id: str) -> tuple[int, int, int]:
+        """(pending token, committed rows, max_length) of a prefilled session."""
+        s = self.sessions.get(session_id)
+        if not s.prefilled:
+            raise FailedPrecondition("prefill the session before stepping")
+        return s.tokens[s.cache.length], s.cache.length, s.max_length
+
+    def expect_steps(self, session_ids: list[str], within_s: float = ROUND_WAIT_S) -> None:
+        """These sessions are about to verify, each from its own thread (a speculative round): one forward."""
+        keys = []
+        for sid in session_ids:
+            try:
+                keys.append(id(self.sessions.get(sid).cache))
+            except NotFound:
+                pass
+        self.batcher.expect(keys, within_s)
+
+    def unexpect_step(self, session_id: str) -> None:
+        """The session's verify of the round is not coming (or has run): do not wait for it."""
+        try:
+            self.batcher.unexpect(id(self.sessions.get(session_id).cache))
+        except NotFound:
+            pass
 
     def _check_capture_size(self, s: TargetSession, rows: int, max_bytes: int | None, what: str) -> None:
         size = rows * len(s.capture_layers) * self.model.config.hidden_size * 2  # bf16 on the wire

@@ -8,9 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
-from dspark_grpc.client.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.client.planner import PlannerMemory
-from dspark_grpc.client.sdk import ChannelSecurity, make_channel
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.errors import (
     FailedPrecondition,
@@ -24,6 +21,11 @@ from dspark_grpc.runtime.security import principal_of
 from dspark_grpc.runtime.serving import check_enum, log_refusal, run_session_op, session_stream, status_code
 from dspark_grpc.runtime.sessions import Owner
 from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
+from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
+from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
+from dspark_grpc.speculation.planner import AR, PlannerMemory
+from dspark_grpc.speculation.steps import SessionDrafting, tree_depth
+from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
 from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
@@ -77,6 +79,15 @@ def check_stop(stop) -> None:
         raise InvalidArgument(f"a stop string has {long[0]} characters; at most {MAX_STOP_CHARS} each")
 
 
+def check_step_options(o: target_pb2.StepOptions, prefix: str = "step_options.") -> None:
+    check_enum(common_pb2.DecodeMode, o.mode, prefix + "mode")
+    check_enum(draft_pb2.ProposalKind, o.proposal, prefix + "proposal")
+    check_enum(draft_pb2.KernelChoice, o.kernel, prefix + "kernel")
+    check_enum(draft_pb2.Proposer, o.proposer, prefix + "proposer")
+    if o.budget < 0:
+        raise InvalidArgument(f"{prefix}budget must be >= 0 (0 = the drafter's default), got {o.budget}")
+
+
 def capture_to_proto(layers: tuple[int, ...], start: int, rows: torch.Tensor | None) -> common_pb2.HiddenCapture | None:
     if rows is None or not layers:
         return None
@@ -104,9 +115,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.drafter = DrafterLink(make_channel(drafter_address, drafter_security), drafter_address,
                                    draft_timeout).start() \
             if drafter_address else None
+        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted) \
+            if self.drafter is not None else None
+        self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
         self.default_mode = default_mode
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
-        self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across Generate requests
+        self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across sessions
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -141,7 +155,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _release_owner(self, owner: object) -> None:
         if self.engine is not None:
-            self.engine.release_owner(owner)
+            for sid in self.engine.release_owner(owner):
+                self._stop_drafting(sid)
+
+    def _stop_drafting(self, session_id: str) -> None:
+        drafting = self.drafting.pop(session_id, None)
+        if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
+            self.rounds.release(drafting, op)
+
+    def _round_drafted(self, session_ids: list[str]) -> None:
+        if self.engine is not None:
+            self.engine.expect_steps(session_ids)
 
     def handle(self, request: target_pb2.TargetSessionRequest, owner: object) -> target_pb2.TargetSessionResponse:
         return run_session_op(self._dispatch, request, owner, target_pb2.TargetSessionResponse)
@@ -152,20 +176,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if op not in (None, "open"):  # a session belongs to the stream that opened it
             engine.sessions.get(getattr(request, op).session_id, owner)
         if op == "open":
-            m = request.open
-            drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
-            sid = engine.open_session(list(m.capture_layer_ids), drafter, m.protocol_version, m.max_length, owner)
-            return dict(opened=target_pb2.SessionOpened(
-                session_id=sid, max_length=engine.sessions.get(sid).max_length,
-                fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])))
+            return dict(opened=self._open(engine, request.open, owner))
         if op == "prefill":
             m = request.prefill
             out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
                                  sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
-            layers = engine.sessions.get(m.session_id).capture_layers
+            capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
+            drafting = self.drafting.get(m.session_id)
+            if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
+                drafting.sampling.CopyFrom(m.sampling)
+                drafting.append(0, list(out.prompt_tokens), capture)
+                capture = None
             return dict(prefilled=target_pb2.Prefilled(
-                prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text,
-                capture=capture_to_proto(layers, 0, out.captures)))
+                prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text, capture=capture))
+        if op == "step":
+            return dict(stepped=self._step(engine, request.step.session_id))
         if op == "verify":
             m = request.verify
             if not m.HasField("tree"):
@@ -198,23 +223,115 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return dict(rolled_back=target_pb2.RolledBack(length=length, pending_token=pending))
         if op == "release":
             engine.release(request.release.session_id)
+            self._stop_drafting(request.release.session_id)
             return dict(released=target_pb2.SessionReleased())
-        raise InvalidArgument("empty request: set one of open, prefill, verify, commit, rollback, release")
+        raise InvalidArgument("empty request: set one of open, prefill, verify, commit, rollback, release, step")
+
+    def _open(self, engine: TargetEngine, m: target_pb2.OpenSession, owner: object) -> target_pb2.SessionOpened:
+        layers = list(m.capture_layer_ids)
+        drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
+        options = target_pb2.StepOptions()
+        options.CopyFrom(m.step_options)
+        check_step_options(options)
+        mode = options.mode = (options.mode or self.default_mode) if m.HasField("step_options") \
+            else common_pb2.DECODE_MODE_AR
+        info, why = None, ""
+        if mode != common_pb2.DECODE_MODE_AR:
+            if self.drafter is None:
+                if mode == common_pb2.DECODE_MODE_SPECULATION:
+                    raise FailedPrecondition("step mode SPECULATION needs a drafter; start the target with --drafter "
+                                             "ADDRESS or ask for mode AR")
+                why = "no drafter configured (start the target with --drafter ADDRESS)"
+            elif (info := self.drafter.info) is None:
+                why = f"{self.drafter.down_reason}; target-only"
+            elif layers or drafter:
+                raise InvalidArgument("step_options with a drafter of the target's: leave capture_layer_ids and "
+                                      "drafter_target unset (the target feeds its own drafter)")
+            else:
+                layers = list(info.target_layer_ids)
+                drafter = (info.target.model, info.target.tokenizer)
+        try:
+            sid = engine.open_session(layers, drafter, m.protocol_version, m.max_length, owner)
+        except FailedPrecondition as e:
+            if info is None:
+                raise
+            why = f"the target refused the drafter ({e.message}); target-only"
+            info = None
+            sid = engine.open_session([], None, m.protocol_version, m.max_length, owner)
+        if info is not None:
+            fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
+            self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint,
+                                                       [t.to_proto() for t in engine.cost_tables],
+                                                       self.planner_memory, self.rounds.generation)
+        return target_pb2.SessionOpened(
+            session_id=sid, max_length=engine.sessions.get(sid).max_length,
+            fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
+            step_mode=mode if info is not None else common_pb2.DECODE_MODE_AR, fallback_reason=why)
+
+    def _step(self, engine: TargetEngine, sid: str) -> target_pb2.Stepped:
+        """One step: the drafter's proposal from a round (unless AR), one verify, the commit; the committed rows'
+        captures are queued for the drafter's next round."""
+        pending, length, max_length = engine.step_state(sid)
+        drafting = self.drafting.get(sid)
+        report = target_pb2.StepReport()
+        failed_before = drafting is not None and not drafting.active
+        arm = drafting.plan() if drafting is not None else AR
+        t0 = time.perf_counter()
+        tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
+        proposers: list[int] = [0]
+        predicted = None
+        try:
+            if arm != AR:
+                ops = drafting.round_ops(pending, length, arm)
+                reply = self.rounds.submit(RoundJob(drafting, ops))
+                proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
+                if reply.replies is None:
+                    drafting.fail(reply.error)
+                report.draft_seconds = time.perf_counter() - t0
+                if proposal is not None:
+                    truncated = drafting.planner.truncated if drafting.planner is not None else 0
+                    fitted = drafting.fit(proposal, max_length - length)
+                    tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
+                    report.draft_batch_sessions = proposal.batch_sessions
+                    report.truncated = drafting.planner is not None and drafting.planner.truncated > truncated
+            draft_ids, draft_logprobs = _check_tree_tensors(tree)
+            t1 = time.perf_counter()
+            out = engine.verify(sid, list(tree.tokens), list(tree.parents), True, False, draft_ids, draft_logprobs)
+        finally:
+            engine.unexpect_step(sid)
+        t2 = time.perf_counter()
+        report.verify_seconds = t2 - t1
+        committed = out.committed
+        assert committed is not None
+        path_tokens = [tree.tokens[n] for n in out.path]
+        report.draft_depth = tree_depth(tree.parents)
+        report.tree_nodes = len(tree.tokens)
+        report.accepted_proposers.extend(proposers[n] if n < len(proposers) else 0 for n in out.path[1:])
+        report.batch_sessions, report.batch_rows = out.batch.jobs, out.batch.rows
+        if drafting is not None:
+            layers = engine.sessions.get(sid).capture_layers
+            drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
+            report.planned_ar = arm == AR and drafting.planner is not None and drafting.active
+            drafting.observe(arm, len(tree.tokens), len(out.path) - 1, report.draft_seconds, t2 - t0,
+                             out.batch.seconds, out.batch.jobs, out.batch.rows, predicted)
+            reasons = [drafting.failure] if drafting.failure and not failed_before else []
+            if switches := drafting.new_switches():
+                reasons.append(switches)
+            report.fallback_reason = "; ".join(reasons)
+        return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
+                                  length=committed.length, report=report)
 
     # -- single-call generation ---------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        options = target_pb2.StepOptions(mode=request.mode, proposal=request.proposal, budget=request.budget,
+                                         kernel=request.kernel, proposer=request.proposer)
         try:
             engine = self.ready_engine()
             sampling_from_proto(request.sampling)  # validate before any work
             prompt_from_proto(request.prompt, engine.max_length)
             check_stop(request.stop)
-            check_enum(common_pb2.DecodeMode, request.mode, "mode")
-            check_enum(draft_pb2.ProposalKind, request.proposal, "proposal")
-            check_enum(draft_pb2.KernelChoice, request.kernel, "kernel")
-            check_enum(draft_pb2.Proposer, request.proposer, "proposer")
-            if request.budget < 0:
-                raise InvalidArgument(f"budget must be >= 0 (0 = the drafter's default), got {request.budget}")
+            check_step_options(options, prefix="")
             if request.HasField("max_new_tokens") and request.max_new_tokens < 1:
                 raise InvalidArgument(f"max_new_tokens must be >= 1 (leave it unset for {DEFAULT_MAX_NEW_TOKENS}), "
                                       f"got {request.max_new_tokens}")
@@ -230,18 +347,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         stats = common_pb2.GenerationStats()
         owner = Owner(principal_of(context))
         loop = asyncio.get_running_loop()
-        speculation = None
-        mode = request.mode or self.default_mode
-        if mode != common_pb2.DECODE_MODE_AR:
-            if self.drafter is None:
-                stats.fallback_reason = "no drafter configured (start the target with --drafter ADDRESS)"
-            else:
-                speculation = self.drafter.open(
-                    stats, context.time_remaining(), request.proposal or draft_pb2.PROPOSAL_KIND_CHAIN, request.budget,
-                    request.kernel, request.proposer, adaptive=mode == common_pb2.DECODE_MODE_ADAPTIVE,
-                    verify_costs=[t.to_proto() for t in engine.cost_tables], memory=self.planner_memory)
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
-                                 frozenset(engine.tokenizer.eos_token_ids), stats, speculation)
+                                 frozenset(engine.tokenizer.eos_token_ids), stats, options)
         step = None
         try:
             while True:
@@ -262,16 +369,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await context.abort(status_code(e.code), e.message)
         finally:
             if step is not None and not step.done():  # cancelled mid-step: it must end before the loop is closed
-                if speculation is not None:  # a step waiting on the drafter goes on at once, target-only
-                    speculation.drafter.close("the request was cancelled")
                 try:
                     await asyncio.shield(asyncio.wrap_future(step))
                 except BaseException:  # noqa: BLE001 - the step's own error does not matter any more
                     pass
             await loop.run_in_executor(self.executor, deltas.close)
-            if speculation is not None:
-                self.drafter.close(speculation)
-            engine.release_owner(owner)
+            self._release_owner(owner)
 
 
 def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from dspark_grpc.client.cost_table import CostKey, CostTable, lanes_problem, load_or_profile, spot_check_problem
 from dspark_grpc.runtime.cost_profile import profile_drafter, profile_target, target_cost_tables, target_key
+from dspark_grpc.speculation.cost_table import CostKey, CostTable, lanes_problem, load_or_profile, spot_check_problem
 
 KEY = CostKey(kind="verify", model="m" * 64, dtype="float32", threads=2, device="cpu test", context=128)
 

@@ -1,9 +1,11 @@
 """Layers point one way, read from every import statement in the tree (module level and inside functions):
 
-    protos, dspark_grpc.cli_common  <-  runtime (model math, serving)  <-  target_service, draft_service
-    protos, dspark_grpc.cli_common  <-  client (the SDK: torch-free)
+    protos, dspark_grpc.cli_common  <-  speculation (torch-free: generation loop, cost model, planner, channels)
+    speculation  <-  runtime (model math, serving)  <-  target_service, draft_service
+    speculation  <-  client (the SDK: torch-free)
 
-No service imports the other; the SDK imports neither a service, nor runtime, nor torch.
+No service imports the other or the SDK; the SDK imports neither a service, nor runtime, nor torch; nothing below
+the SDK imports it.
 """
 
 from __future__ import annotations
@@ -14,19 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("protos", "dspark_grpc", "runtime", "client", "target_service", "draft_service")
+FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "client", "target_service", "draft_service")
 ALLOWED = {  # folder -> what it may import of ours (itself always)
     "protos": set(),
     "dspark_grpc": set(),
-    "client": {"protos", "cli_common"},
-    "runtime": {"protos", "cli_common"},
-    "target_service": {"protos", "cli_common", "runtime", "client"},
-    "draft_service": {"protos", "cli_common", "runtime", "client"},
+    "speculation": {"protos", "cli_common"},
+    "client": {"protos", "cli_common", "speculation"},
+    "runtime": {"protos", "cli_common", "speculation"},
+    "target_service": {"protos", "cli_common", "speculation", "runtime"},
+    "draft_service": {"protos", "cli_common", "speculation", "runtime"},
 }
-NO_TORCH = ("protos", "dspark_grpc", "client")
-# Known: runtime reads the torch-free cost-table and metrics types from client/ (issue 14 moves them to a
-# speculation layer below both). No new edge of this kind may appear.
-KNOWN_EXCEPTIONS = {("runtime/cost_profile.py", "client"), ("runtime/service_metrics.py", "client")}
+NO_TORCH = ("protos", "dspark_grpc", "speculation", "client")
 FOLDER_OF = {"cli_common": "dspark_grpc"}
 
 
@@ -60,13 +60,7 @@ def test_imports_point_one_way(folder):
             if folder in NO_TORCH:
                 bad.append((file, name))
             continue
-        if FOLDER_OF.get(name, name) == folder or name in ALLOWED[folder] or (file, name) in KNOWN_EXCEPTIONS:
+        if FOLDER_OF.get(name, name) == folder or name in ALLOWED[folder]:
             continue
         bad.append((file, name))
     assert not bad, f"{folder} imports what it must not: {bad}"
-
-
-def test_the_known_exceptions_still_exist():
-    # once issue 14 removes one, drop it from KNOWN_EXCEPTIONS so it cannot come back
-    found = set(imports("runtime"))
-    assert KNOWN_EXCEPTIONS <= found

@@ -8,8 +8,8 @@ import sys
 import urllib.request
 
 import pytest
-from dspark_grpc.client.metrics import SpecDecodeMetrics, reason_label, start_metrics_server
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.speculation.metrics import SpecDecodeMetrics, reason_label, start_metrics_server
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -115,7 +115,7 @@ def test_sdk_works_without_prometheus_client(monkeypatch):
 
 
 def test_metrics_module_is_torch_free():
-    code = ("import sys, dspark_grpc.client.metrics; "
+    code = ("import sys, dspark_grpc.speculation.metrics; "
             "print(sorted(m for m in ('torch', 'numpy', 'prometheus_client') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

@@ -4,8 +4,8 @@ acceptance, probing, the confidence cut, memory across requests, and the torch-f
 from __future__ import annotations
 
 import pytest
-from dspark_grpc.client.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2
+from dspark_grpc.speculation.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
 
 DSPARK, NGRAM = draft_pb2.PROPOSER_DSPARK, draft_pb2.PROPOSER_NGRAM
 # A CPU-like target: 1 row 50 ms, more rows cost more; 8 sessions x 1 row 90 ms.
@@ -204,7 +204,7 @@ def test_calibration_recovers_how_often_confident_drafts_are_right(truth):
 
 
 def test_adaptive_arms_take_prompt_lookup_beside_dspark_but_not_beside_hybrid():
-    from dspark_grpc.client.generation import SpeculationConfig
+    from dspark_grpc.speculation.generation import SpeculationConfig
 
     def arms(default: int, asked: int = draft_pb2.PROPOSER_UNSPECIFIED) -> list[int]:
         info = draft_pb2.GetDrafterInfoResponse(default_proposer=default, proposers=[

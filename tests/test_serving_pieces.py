@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dspark_grpc.client.generation import StopStrings
 from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.sessions import Owner, SessionStore
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.speculation.generation import StopStrings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_protos_buf_lint():
 
 
 def test_client_sdk_does_not_import_torch():
-    code = ("import sys, dspark_grpc.client, dspark_grpc.client.cli, dspark_grpc.client.generation;"
+    code = ("import sys, dspark_grpc.client, dspark_grpc.client.cli, dspark_grpc.speculation.generation;"
             "bad = [m for m in ('torch', 'numpy', 'dspark_grpc.runtime', 'dspark_grpc.target_service') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

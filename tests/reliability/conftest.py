@@ -124,7 +124,7 @@ class Ops:
     its response (status unchecked); `ops.ok(...)` returns the result and fails the test on a status."""
 
     def __init__(self, method, request_type, timeout: float = 60.0, metadata: tuple = ()) -> None:
-        from dspark_grpc.client.sdk import SessionStream
+        from dspark_grpc.speculation.channel import SessionStream
 
         opener = functools.partial(method, metadata=list(metadata)) if metadata else method
         self.stream = SessionStream(opener, timeout)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.generation import RequestError
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.speculation.generation import RequestError
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "List three colors:",
            "Write a haiku about rain.", "The quick brown fox", "In 1969, astronauts", "import numpy as np\n"]

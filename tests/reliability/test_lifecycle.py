@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from dspark_grpc.client import AsyncTargetClient, TargetClient
-from dspark_grpc.client.generation import RequestError
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.speculation.generation import RequestError
 
 from tests.reliability.conftest import (
     Service,

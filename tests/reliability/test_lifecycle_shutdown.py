@@ -10,8 +10,8 @@ import time
 
 import grpc
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.sdk import SessionStream
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.conftest import health, service, wait_until

@@ -236,3 +236,45 @@ def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
     assert batches == [["a", "b", "c"]] * 3
 
 
+
+
+def test_step_batcher_waits_for_expected_sessions_and_not_for_one_unexpected():
+    # `expect` names the sessions of a round that will submit from their own threads: the first to arrive waits for
+    # the others (fake clock: the bound is far beyond any scheduling delay), and a session that will not come after
+    # all (`unexpect`) releases the wait at once, without waiting for the bound.
+    now = [0.0]
+    batches = []
+
+    def run_batch(jobs: list[str]) -> list[int]:
+        batches.append(sorted(jobs))
+        return [0] * len(jobs)
+
+    batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job, clock=lambda: now[0])
+    batcher.expect(["a", "b", "c"], within_s=1000.0)
+    done = []
+
+    def submit(name: str, delay: float) -> None:
+        threading.Event().wait(delay)
+        done.append(batcher.submit(name))
+
+    threads = [threading.Thread(target=submit, args=(n, d)) for n, d in (("a", 0), ("b", 0.1), ("c", 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert batches == [["a", "b", "c"]] and all(info.jobs == 3 for _, info in done)
+
+    batcher.expect(["d", "e"], within_s=1000.0)
+    late = threading.Thread(target=submit, args=("d", 0))
+    late.start()
+    threading.Event().wait(0.1)
+    assert batches == [["a", "b", "c"]]  # "d" waits for "e"
+    batcher.unexpect("e")  # e's step failed before it submitted
+    late.join(10)
+    assert batches[-1] == ["d"]
+
+    batcher.expect(["f"], within_s=5.0)
+    now[0] += 10.0  # past the bound: "g" does not wait for "f"
+    submit("g", 0)
+    assert batches[-1] == ["g"]
+    batcher.close()

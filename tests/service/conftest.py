@@ -8,8 +8,8 @@ import grpc
 import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_drafter, local_target
-from dspark_grpc.client.sdk import SessionStream
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICE = "dspark.v1.TargetService"

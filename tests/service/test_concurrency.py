@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
-from dspark_grpc.client.sdk import make_channel
 from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.speculation.channel import make_channel
 
 from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
 
@@ -58,8 +58,8 @@ def test_cost_tables_are_published_monotone_and_are_what_the_cache_holds(tmp_pat
     """Two starts on one cache: each publishes monotone tables (in rows and in sessions) equal to the cache's files.
     Whether the second start reused them depends on a timing spot check (tests/test_cost_table.py tests reuse and
     re-profiling deterministically, on a fake spot check)."""
-    from dspark_grpc.client.cost_table import CostTable, lanes_problem
     from dspark_grpc.runtime.tokenizer import TextTokenizer
+    from dspark_grpc.speculation.cost_table import CostTable, lanes_problem
 
     model = tiny_hf_models["qwen3"]  # a tiny model: loading and profiling it take a fraction of SmolLM2's time
     TextTokenizer.from_gguf(smollm2_path).save(model)

@@ -89,23 +89,25 @@ class GetDrafterInfoResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., slot_convention: _Optional[_Union[SlotConvention, str]] = ..., markov_rank: _Optional[int] = ..., has_confidence_head: _Optional[bool] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., default_proposer: _Optional[_Union[Proposer, str]] = ..., max_sessions: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., propose_costs: _Optional[_Iterable[_Union[_common_pb2.CostTable, _Mapping]]] = ..., live_sessions: _Optional[int] = ...) -> None: ...
 
 class DraftSessionRequest(_message.Message):
-    __slots__ = ("request_id", "open", "append", "propose", "truncate", "release")
+    __slots__ = ("request_id", "open", "append", "propose", "truncate", "release", "round")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: OpenDraft
     append: AppendContext
     propose: Propose
     truncate: TruncateContext
     release: ReleaseDraft
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenDraft, _Mapping]] = ..., append: _Optional[_Union[AppendContext, _Mapping]] = ..., propose: _Optional[_Union[Propose, _Mapping]] = ..., truncate: _Optional[_Union[TruncateContext, _Mapping]] = ..., release: _Optional[_Union[ReleaseDraft, _Mapping]] = ...) -> None: ...
+    round: DraftRound
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenDraft, _Mapping]] = ..., append: _Optional[_Union[AppendContext, _Mapping]] = ..., propose: _Optional[_Union[Propose, _Mapping]] = ..., truncate: _Optional[_Union[TruncateContext, _Mapping]] = ..., release: _Optional[_Union[ReleaseDraft, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
 
 class DraftSessionResponse(_message.Message):
-    __slots__ = ("request_id", "status", "opened", "appended", "proposal", "truncated", "released")
+    __slots__ = ("request_id", "status", "opened", "appended", "proposal", "truncated", "released", "round")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class DraftSessionResponse(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     status: _common_pb2.Status
     opened: DraftOpened
@@ -120,15 +123,30 @@ class DraftSessionResponse(_message.Message):
     proposal: Proposal
     truncated: ContextTruncated
     released: DraftReleased
-    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., appended: _Optional[_Union[ContextAppended, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., truncated: _Optional[_Union[ContextTruncated, _Mapping]] = ..., released: _Optional[_Union[DraftReleased, _Mapping]] = ...) -> None: ...
+    round: DraftRoundResult
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., appended: _Optional[_Union[ContextAppended, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., truncated: _Optional[_Union[ContextTruncated, _Mapping]] = ..., released: _Optional[_Union[DraftReleased, _Mapping]] = ..., round: _Optional[_Union[DraftRoundResult, _Mapping]] = ...) -> None: ...
+
+class DraftRound(_message.Message):
+    __slots__ = ("ops",)
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[DraftSessionRequest]
+    def __init__(self, ops: _Optional[_Iterable[_Union[DraftSessionRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftRoundResult(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DraftSessionResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[DraftSessionResponse, _Mapping]]] = ...) -> None: ...
 
 class OpenDraft(_message.Message):
-    __slots__ = ("protocol_version", "target")
+    __slots__ = ("protocol_version", "target", "session_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: _common_pb2.ProtocolVersion
     target: _common_pb2.Fingerprint
-    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
     __slots__ = ("session_id", "target_layer_ids")

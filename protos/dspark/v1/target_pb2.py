@@ -26,51 +26,59 @@ from dspark_grpc.protos.dspark.v1 import common_pb2 as dspark_dot_v1_dot_common_
 from dspark_grpc.protos.dspark.v1 import draft_pb2 as dspark_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/target.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\x1a\x15\x64spark/v1/draft.proto\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x06 \x01(\x05\x12\'\n\rcompute_dtype\x18\x07 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12+\n\x0b\x66ingerprint\x18\t \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x34\n\x10protocol_version\x18\n \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x14\n\x0cmax_sessions\x18\x0c \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x03\x12\x1d\n\x15speculation_available\x18\x0f \x01(\x08\x12+\n\x0c\x64\x65\x66\x61ult_mode\x18\x10 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12*\n\x0cverify_costs\x18\x11 \x03(\x0b\x32\x14.dspark.v1.CostTable\x12\x15\n\rlive_sessions\x18\x12 \x01(\x05\"\x99\x02\n\x14TargetSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.dspark.v1.OpenSessionH\x00\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x12.dspark.v1.PrefillH\x00\x12#\n\x06verify\x18\x04 \x01(\x0b\x32\x11.dspark.v1.VerifyH\x00\x12#\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x11.dspark.v1.CommitH\x00\x12\'\n\x08rollback\x18\x06 \x01(\x0b\x32\x13.dspark.v1.RollbackH\x00\x12%\n\x07release\x18\x07 \x01(\x0b\x32\x12.dspark.v1.ReleaseH\x00\x42\x04\n\x02op\"\xe1\x02\n\x15TargetSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Status\x12*\n\x06opened\x18\x03 \x01(\x0b\x32\x18.dspark.v1.SessionOpenedH\x00\x12)\n\tprefilled\x18\x04 \x01(\x0b\x32\x14.dspark.v1.PrefilledH\x00\x12\'\n\x08verified\x18\x05 \x01(\x0b\x32\x13.dspark.v1.VerifiedH\x00\x12)\n\tcommitted\x18\x06 \x01(\x0b\x32\x14.dspark.v1.CommittedH\x00\x12,\n\x0brolled_back\x18\x07 \x01(\x0b\x32\x15.dspark.v1.RolledBackH\x00\x12.\n\x08released\x18\x08 \x01(\x0b\x32\x1a.dspark.v1.SessionReleasedH\x00\x42\x08\n\x06result\"\xa2\x01\n\x0bOpenSession\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x19\n\x11\x63\x61pture_layer_ids\x18\x02 \x03(\x05\x12.\n\x0e\x64rafter_target\x18\x03 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nmax_length\x18\x04 \x01(\x05\"d\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nmax_length\x18\x03 \x01(\x05\"m\n\x07Prefill\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"o\n\tPrefilled\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12)\n\x07\x63\x61pture\x18\x03 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x80\x01\n\x06Verify\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.dspark.v1.TokenTree\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x08\x12.\n\rreturn_logits\x18\x04 \x01(\x0e\x32\x17.dspark.v1.LogitsReturn\"\x80\x02\n\x08Verified\x12\x15\n\raccepted_path\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12)\n\x07\x63\x61pture\x18\x04 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12!\n\x06logits\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x0e\n\x06length\x18\x07 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\t \x01(\x05\x12\x12\n\nbatch_rows\x18\n \x01(\x05\">\n\x06\x43ommit\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\"[\n\tCommitted\x12)\n\x07\x63\x61pture\x18\x01 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\x12\x0e\n\x06length\x18\x03 \x01(\x03\".\n\x08Rollback\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x03\"3\n\nRolledBack\x12\x0e\n\x06length\x18\x01 \x01(\x03\x12\x15\n\rpending_token\x18\x02 \x01(\x05\"\x1d\n\x07Release\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fSessionReleased\"\xe3\x02\n\x0fGenerateRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Prompt\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12#\n\x04mode\x18\x05 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12)\n\x08proposal\x18\x07 \x01(\x0e\x32\x17.dspark.v1.ProposalKind\x12\x0e\n\x06\x62udget\x18\x08 \x01(\x05\x12\'\n\x06kernel\x18\t \x01(\x0e\x32\x17.dspark.v1.KernelChoice\x12%\n\x08proposer\x18\n \x01(\x0e\x32\x13.dspark.v1.ProposerB\x11\n\x0f_max_new_tokens\"\x8e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.dspark.v1.GenerationStats*\\\n\x0cLogitsReturn\x12\x1d\n\x19LOGITS_RETURN_UNSPECIFIED\x10\x00\x12\x16\n\x12LOGITS_RETURN_NONE\x10\x01\x12\x15\n\x11LOGITS_RETURN_ALL\x10\x02\x32\xff\x01\n\rTargetService\x12O\n\x0cGetModelInfo\x12\x1e.dspark.v1.GetModelInfoRequest\x1a\x1f.dspark.v1.GetModelInfoResponse\x12V\n\rTargetSession\x12\x1f.dspark.v1.TargetSessionRequest\x1a .dspark.v1.TargetSessionResponse(\x01\x30\x01\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/target.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\x1a\x15\x64spark/v1/draft.proto\"\x15\n\x13GetModelInfoRequest\"\xa4\x04\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x06 \x01(\x05\x12\'\n\rcompute_dtype\x18\x07 \x01(\x0e\x32\x10.dspark.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12+\n\x0b\x66ingerprint\x18\t \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x34\n\x10protocol_version\x18\n \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x14\n\x0cmax_sessions\x18\x0c \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x03\x12\x1d\n\x15speculation_available\x18\x0f \x01(\x08\x12+\n\x0c\x64\x65\x66\x61ult_mode\x18\x10 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12*\n\x0cverify_costs\x18\x11 \x03(\x0b\x32\x14.dspark.v1.CostTable\x12\x15\n\rlive_sessions\x18\x12 \x01(\x05\"\xba\x02\n\x14TargetSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.dspark.v1.OpenSessionH\x00\x12%\n\x07prefill\x18\x03 \x01(\x0b\x32\x12.dspark.v1.PrefillH\x00\x12#\n\x06verify\x18\x04 \x01(\x0b\x32\x11.dspark.v1.VerifyH\x00\x12#\n\x06\x63ommit\x18\x05 \x01(\x0b\x32\x11.dspark.v1.CommitH\x00\x12\'\n\x08rollback\x18\x06 \x01(\x0b\x32\x13.dspark.v1.RollbackH\x00\x12%\n\x07release\x18\x07 \x01(\x0b\x32\x12.dspark.v1.ReleaseH\x00\x12\x1f\n\x04step\x18\x08 \x01(\x0b\x32\x0f.dspark.v1.StepH\x00\x42\x04\n\x02op\"\x88\x03\n\x15TargetSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Status\x12*\n\x06opened\x18\x03 \x01(\x0b\x32\x18.dspark.v1.SessionOpenedH\x00\x12)\n\tprefilled\x18\x04 \x01(\x0b\x32\x14.dspark.v1.PrefilledH\x00\x12\'\n\x08verified\x18\x05 \x01(\x0b\x32\x13.dspark.v1.VerifiedH\x00\x12)\n\tcommitted\x18\x06 \x01(\x0b\x32\x14.dspark.v1.CommittedH\x00\x12,\n\x0brolled_back\x18\x07 \x01(\x0b\x32\x15.dspark.v1.RolledBackH\x00\x12.\n\x08released\x18\x08 \x01(\x0b\x32\x1a.dspark.v1.SessionReleasedH\x00\x12%\n\x07stepped\x18\t \x01(\x0b\x32\x12.dspark.v1.SteppedH\x00\x42\x08\n\x06result\"\xd0\x01\n\x0bOpenSession\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x19\n\x11\x63\x61pture_layer_ids\x18\x02 \x03(\x05\x12.\n\x0e\x64rafter_target\x18\x03 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nmax_length\x18\x04 \x01(\x05\x12,\n\x0cstep_options\x18\x05 \x01(\x0b\x32\x16.dspark.v1.StepOptions\"\xbd\x01\n\x0bStepOptions\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12)\n\x08proposal\x18\x02 \x01(\x0e\x32\x17.dspark.v1.ProposalKind\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x05\x12\'\n\x06kernel\x18\x04 \x01(\x0e\x32\x17.dspark.v1.KernelChoice\x12%\n\x08proposer\x18\x05 \x01(\x0e\x32\x13.dspark.v1.Proposer\"\xa7\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nmax_length\x18\x03 \x01(\x05\x12(\n\tstep_mode\x18\x04 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12\x17\n\x0f\x66\x61llback_reason\x18\x05 \x01(\t\"m\n\x07Prefill\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"o\n\tPrefilled\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12)\n\x07\x63\x61pture\x18\x03 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12\x0c\n\x04text\x18\x04 \x01(\t\"\x80\x01\n\x06Verify\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.dspark.v1.TokenTree\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x08\x12.\n\rreturn_logits\x18\x04 \x01(\x0e\x32\x17.dspark.v1.LogitsReturn\"\x80\x02\n\x08Verified\x12\x15\n\raccepted_path\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12)\n\x07\x63\x61pture\x18\x04 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12!\n\x06logits\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x0e\n\x06length\x18\x07 \x01(\x03\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\t \x01(\x05\x12\x12\n\nbatch_rows\x18\n \x01(\x05\">\n\x06\x43ommit\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\"[\n\tCommitted\x12)\n\x07\x63\x61pture\x18\x01 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\x12\x0e\n\x06length\x18\x03 \x01(\x03\".\n\x08Rollback\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x03\"3\n\nRolledBack\x12\x0e\n\x06length\x18\x01 \x01(\x03\x12\x15\n\rpending_token\x18\x02 \x01(\x05\"\x1a\n\x04Step\x12\x12\n\nsession_id\x18\x01 \x01(\t\"y\n\x07Stepped\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x13\n\x0btoken_texts\x18\x03 \x03(\t\x12\x0e\n\x06length\x18\x04 \x01(\x03\x12%\n\x06report\x18\x05 \x01(\x0b\x32\x15.dspark.v1.StepReport\"\xb4\x02\n\nStepReport\x12\x13\n\x0b\x64raft_depth\x18\x01 \x01(\x05\x12\x12\n\ntree_nodes\x18\x02 \x01(\x05\x12/\n\x12\x61\x63\x63\x65pted_proposers\x18\x03 \x03(\x0e\x32\x13.dspark.v1.Proposer\x12\x15\n\rdraft_seconds\x18\x04 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x06 \x01(\x05\x12\x12\n\nbatch_rows\x18\x07 \x01(\x05\x12\x1c\n\x14\x64raft_batch_sessions\x18\x08 \x01(\x05\x12\x12\n\nplanned_ar\x18\t \x01(\x08\x12\x11\n\ttruncated\x18\n \x01(\x08\x12\x13\n\x0b\x64raft_ready\x18\x0b \x01(\x08\x12\x17\n\x0f\x66\x61llback_reason\x18\x0c \x01(\t\"\x1d\n\x07Release\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x11\n\x0fSessionReleased\"\xe3\x02\n\x0fGenerateRequest\x12!\n\x06prompt\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Prompt\x12\x1b\n\x0emax_new_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12#\n\x04mode\x18\x05 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12)\n\x08proposal\x18\x07 \x01(\x0e\x32\x17.dspark.v1.ProposalKind\x12\x0e\n\x06\x62udget\x18\x08 \x01(\x05\x12\'\n\x06kernel\x18\t \x01(\x0e\x32\x17.dspark.v1.KernelChoice\x12%\n\x08proposer\x18\n \x01(\x0e\x32\x13.dspark.v1.ProposerB\x11\n\x0f_max_new_tokens\"\x8e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12)\n\x05stats\x18\x04 \x01(\x0b\x32\x1a.dspark.v1.GenerationStats*\\\n\x0cLogitsReturn\x12\x1d\n\x19LOGITS_RETURN_UNSPECIFIED\x10\x00\x12\x16\n\x12LOGITS_RETURN_NONE\x10\x01\x12\x15\n\x11LOGITS_RETURN_ALL\x10\x02\x32\xff\x01\n\rTargetService\x12O\n\x0cGetModelInfo\x12\x1e.dspark.v1.GetModelInfoRequest\x1a\x1f.dspark.v1.GetModelInfoResponse\x12V\n\rTargetSession\x12\x1f.dspark.v1.TargetSessionRequest\x1a .dspark.v1.TargetSessionResponse(\x01\x30\x01\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGITSRETURN']._serialized_start=2990
-  _globals['_LOGITSRETURN']._serialized_end=3082
+  _globals['_LOGITSRETURN']._serialized_start=3830
+  _globals['_LOGITSRETURN']._serialized_end=3922
   _globals['_GETMODELINFOREQUEST']._serialized_start=84
   _globals['_GETMODELINFOREQUEST']._serialized_end=105
   _globals['_GETMODELINFORESPONSE']._serialized_start=108
   _globals['_GETMODELINFORESPONSE']._serialized_end=656
   _globals['_TARGETSESSIONREQUEST']._serialized_start=659
-  _globals['_TARGETSESSIONREQUEST']._serialized_end=940
-  _globals['_TARGETSESSIONRESPONSE']._serialized_start=943
-  _globals['_TARGETSESSIONRESPONSE']._serialized_end=1296
-  _globals['_OPENSESSION']._serialized_start=1299
-  _globals['_OPENSESSION']._serialized_end=1461
-  _globals['_SESSIONOPENED']._serialized_start=1463
-  _globals['_SESSIONOPENED']._serialized_end=1563
-  _globals['_PREFILL']._serialized_start=1565
-  _globals['_PREFILL']._serialized_end=1674
-  _globals['_PREFILLED']._serialized_start=1676
-  _globals['_PREFILLED']._serialized_end=1787
-  _globals['_VERIFY']._serialized_start=1790
-  _globals['_VERIFY']._serialized_end=1918
-  _globals['_VERIFIED']._serialized_start=1921
-  _globals['_VERIFIED']._serialized_end=2177
-  _globals['_COMMIT']._serialized_start=2179
-  _globals['_COMMIT']._serialized_end=2241
-  _globals['_COMMITTED']._serialized_start=2243
-  _globals['_COMMITTED']._serialized_end=2334
-  _globals['_ROLLBACK']._serialized_start=2336
-  _globals['_ROLLBACK']._serialized_end=2382
-  _globals['_ROLLEDBACK']._serialized_start=2384
-  _globals['_ROLLEDBACK']._serialized_end=2435
-  _globals['_RELEASE']._serialized_start=2437
-  _globals['_RELEASE']._serialized_end=2466
-  _globals['_SESSIONRELEASED']._serialized_start=2468
-  _globals['_SESSIONRELEASED']._serialized_end=2485
-  _globals['_GENERATEREQUEST']._serialized_start=2488
-  _globals['_GENERATEREQUEST']._serialized_end=2843
-  _globals['_GENERATERESPONSE']._serialized_start=2846
-  _globals['_GENERATERESPONSE']._serialized_end=2988
-  _globals['_TARGETSERVICE']._serialized_start=3085
-  _globals['_TARGETSERVICE']._serialized_end=3340
+  _globals['_TARGETSESSIONREQUEST']._serialized_end=973
+  _globals['_TARGETSESSIONRESPONSE']._serialized_start=976
+  _globals['_TARGETSESSIONRESPONSE']._serialized_end=1368
+  _globals['_OPENSESSION']._serialized_start=1371
+  _globals['_OPENSESSION']._serialized_end=1579
+  _globals['_STEPOPTIONS']._serialized_start=1582
+  _globals['_STEPOPTIONS']._serialized_end=1771
+  _globals['_SESSIONOPENED']._serialized_start=1774
+  _globals['_SESSIONOPENED']._serialized_end=1941
+  _globals['_PREFILL']._serialized_start=1943
+  _globals['_PREFILL']._serialized_end=2052
+  _globals['_PREFILLED']._serialized_start=2054
+  _globals['_PREFILLED']._serialized_end=2165
+  _globals['_VERIFY']._serialized_start=2168
+  _globals['_VERIFY']._serialized_end=2296
+  _globals['_VERIFIED']._serialized_start=2299
+  _globals['_VERIFIED']._serialized_end=2555
+  _globals['_COMMIT']._serialized_start=2557
+  _globals['_COMMIT']._serialized_end=2619
+  _globals['_COMMITTED']._serialized_start=2621
+  _globals['_COMMITTED']._serialized_end=2712
+  _globals['_ROLLBACK']._serialized_start=2714
+  _globals['_ROLLBACK']._serialized_end=2760
+  _globals['_ROLLEDBACK']._serialized_start=2762
+  _globals['_ROLLEDBACK']._serialized_end=2813
+  _globals['_STEP']._serialized_start=2815
+  _globals['_STEP']._serialized_end=2841
+  _globals['_STEPPED']._serialized_start=2843
+  _globals['_STEPPED']._serialized_end=2964
+  _globals['_STEPREPORT']._serialized_start=2967
+  _globals['_STEPREPORT']._serialized_end=3275
+  _globals['_RELEASE']._serialized_start=3277
+  _globals['_RELEASE']._serialized_end=3306
+  _globals['_SESSIONRELEASED']._serialized_start=3308
+  _globals['_SESSIONRELEASED']._serialized_end=3325
+  _globals['_GENERATEREQUEST']._serialized_start=3328
+  _globals['_GENERATEREQUEST']._serialized_end=3683
+  _globals['_GENERATERESPONSE']._serialized_start=3686
+  _globals['_GENERATERESPONSE']._serialized_end=3828
+  _globals['_TARGETSERVICE']._serialized_start=3925
+  _globals['_TARGETSERVICE']._serialized_end=4180
 # @@protoc_insertion_point(module_scope)

@@ -63,7 +63,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., compute_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., device: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., speculation_available: _Optional[bool] = ..., default_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.CostTable, _Mapping]]] = ..., live_sessions: _Optional[int] = ...) -> None: ...
 
 class TargetSessionRequest(_message.Message):
-    __slots__ = ("request_id", "open", "prefill", "verify", "commit", "rollback", "release")
+    __slots__ = ("request_id", "open", "prefill", "verify", "commit", "rollback", "release", "step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class TargetSessionRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: OpenSession
     prefill: Prefill
@@ -78,10 +79,11 @@ class TargetSessionRequest(_message.Message):
     commit: Commit
     rollback: Rollback
     release: Release
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    step: Step
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class TargetSessionResponse(_message.Message):
-    __slots__ = ("request_id", "status", "opened", "prefilled", "verified", "committed", "rolled_back", "released")
+    __slots__ = ("request_id", "status", "opened", "prefilled", "verified", "committed", "rolled_back", "released", "stepped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class TargetSessionResponse(_message.Message):
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    STEPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     status: _common_pb2.Status
     opened: SessionOpened
@@ -98,29 +101,50 @@ class TargetSessionResponse(_message.Message):
     committed: Committed
     rolled_back: RolledBack
     released: SessionReleased
-    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., committed: _Optional[_Union[Committed, _Mapping]] = ..., rolled_back: _Optional[_Union[RolledBack, _Mapping]] = ..., released: _Optional[_Union[SessionReleased, _Mapping]] = ...) -> None: ...
+    stepped: Stepped
+    def __init__(self, request_id: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., committed: _Optional[_Union[Committed, _Mapping]] = ..., rolled_back: _Optional[_Union[RolledBack, _Mapping]] = ..., released: _Optional[_Union[SessionReleased, _Mapping]] = ..., stepped: _Optional[_Union[Stepped, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("protocol_version", "capture_layer_ids", "drafter_target", "max_length")
+    __slots__ = ("protocol_version", "capture_layer_ids", "drafter_target", "max_length", "step_options")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_TARGET_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: _common_pb2.ProtocolVersion
     capture_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter_target: _common_pb2.Fingerprint
     max_length: int
-    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., capture_layer_ids: _Optional[_Iterable[int]] = ..., drafter_target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ...) -> None: ...
+    step_options: StepOptions
+    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., capture_layer_ids: _Optional[_Iterable[int]] = ..., drafter_target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ..., step_options: _Optional[_Union[StepOptions, _Mapping]] = ...) -> None: ...
+
+class StepOptions(_message.Message):
+    __slots__ = ("mode", "proposal", "budget", "kernel", "proposer")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    mode: _common_pb2.DecodeMode
+    proposal: _draft_pb2.ProposalKind
+    budget: int
+    kernel: _draft_pb2.KernelChoice
+    proposer: _draft_pb2.Proposer
+    def __init__(self, mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., proposal: _Optional[_Union[_draft_pb2.ProposalKind, str]] = ..., budget: _Optional[int] = ..., kernel: _Optional[_Union[_draft_pb2.KernelChoice, str]] = ..., proposer: _Optional[_Union[_draft_pb2.Proposer, str]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "fingerprint", "max_length")
+    __slots__ = ("session_id", "fingerprint", "max_length", "step_mode", "fallback_reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_MODE_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fingerprint: _common_pb2.Fingerprint
     max_length: int
-    def __init__(self, session_id: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ...) -> None: ...
+    step_mode: _common_pb2.DecodeMode
+    fallback_reason: str
+    def __init__(self, session_id: _Optional[str] = ..., fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., max_length: _Optional[int] = ..., step_mode: _Optional[_Union[_common_pb2.DecodeMode, str]] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("session_id", "prompt", "sampling")
@@ -215,6 +239,54 @@ class RolledBack(_message.Message):
     length: int
     pending_token: int
     def __init__(self, length: _Optional[int] = ..., pending_token: _Optional[int] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Stepped(_message.Message):
+    __slots__ = ("tokens", "next_token", "token_texts", "length", "report")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    length: int
+    report: StepReport
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("draft_depth", "tree_nodes", "accepted_proposers", "draft_seconds", "verify_seconds", "batch_sessions", "batch_rows", "draft_batch_sessions", "planned_ar", "truncated", "draft_ready", "fallback_reason")
+    DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_AR_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_READY_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    draft_depth: int
+    tree_nodes: int
+    accepted_proposers: _containers.RepeatedScalarFieldContainer[_draft_pb2.Proposer]
+    draft_seconds: float
+    verify_seconds: float
+    batch_sessions: int
+    batch_rows: int
+    draft_batch_sessions: int
+    planned_ar: bool
+    truncated: bool
+    draft_ready: bool
+    fallback_reason: str
+    def __init__(self, draft_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_proposers: _Optional[_Iterable[_Union[_draft_pb2.Proposer, str]]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., draft_batch_sessions: _Optional[int] = ..., planned_ar: _Optional[bool] = ..., truncated: _Optional[bool] = ..., draft_ready: _Optional[bool] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("session_id",)

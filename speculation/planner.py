@@ -37,8 +37,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dspark_grpc.client.cost_table import _interpolate
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.speculation.cost_table import _interpolate
 
 AR = 0  # the AR arm; drafting arms are draft_pb2.Proposer values (> 0)
 

@@ -1,0 +1,139 @@
+"""gRPC channels and session streams, shared by the SDK and the services' links (target -> drafter).
+
+Needs only grpcio + protobuf."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from dspark_grpc.speculation.generation import RequestError
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class SessionStream:
+    """A session stream (TargetSession or DraftSession) driven one request/response at a time.
+
+    Closing it ends the stream, which frees its sessions on the server. A reader thread keeps replies, so a
+    call can wait with a timeout (a drafter that stops answering is treated as failed, not waited for). Once the
+    stream has ended (an error, the deadline, `close`), every later call fails at once with the same status.
+    """
+
+    def __init__(self, open_stream: Callable, timeout: float | None) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._responses:
+                self._replies.put(response)
+            self._replies.put(RequestError(14, "the server closed the stream"))
+        except grpc.RpcError as e:
+            self._replies.put(RequestError(e.code().value[0], e.details() or e.code().name))
+        except Exception as e:  # noqa: BLE001 - e.g. a reply grpc could not deserialize: still an end, not a hang
+            self._replies.put(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
+
+    def call(self, request, timeout: float | None = None):
+        self.send(request)
+        return self.receive(timeout)
+
+    def send(self, request) -> None:
+        """Queue a request without waiting for its reply (replies come back in order: `receive` them)."""
+        self._requests.put(request)
+
+    def receive(self, timeout: float | None = None):
+        """The reply to the oldest request not yet answered."""
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise RequestError(4, f"no reply within {timeout:g} s") from None
+        if isinstance(reply, RequestError):
+            self._replies.put(reply)  # the stream is over: later calls (a cleanup's release) must not wait
+            raise reply
+        return reply
+
+    def close(self, reason: str = "the stream was closed") -> None:
+        self._requests.put(None)
+        self._responses.cancel()
+        self._replies.put(RequestError(1, reason))
+
+
+# gRPC's reconnect backoff grows to 2 minutes while a service is down: a restarted service would be found only
+# after tens of seconds. Retry at least once a second instead.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """One link's security: TLS when `root_ca` (PEM of the CA that signed the server's certificate) or a client
+    certificate is given; mutual TLS with `cert_chain` + `private_key`; a bearer token sent with every call (over TLS
+    or, on loopback, plaintext). `server_name` overrides the name the server's certificate must carry."""
+
+    root_ca: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = None
+    token: str | None = None
+    server_name: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.root_ca is not None or self.cert_chain is not None
+
+    @classmethod
+    def from_files(cls, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                   token_file: str | None = None, server_name: str | None = None) -> ChannelSecurity:
+        """Reads the PEM files and the token file (its first token: one per line, '#' comments)."""
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("give the client certificate and its key together (--tls-cert and --tls-key)")
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        token = None
+        if token_file:
+            lines = [line.split("#", 1)[0].strip() for line in Path(token_file).read_text().splitlines()]
+            token = next((t for t in lines if t), None)
+            if token is None:
+                raise ValueError(f"{token_file} holds no token")
+        return cls(read(tls_ca), read(tls_cert), read(tls_key), token, server_name)
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _add(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.header])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._add(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+def make_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
+    if security is None or not security.tls:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", security.server_name)]
+                                     if security.server_name else [])
+        credentials = grpc.ssl_channel_credentials(security.root_ca, security.private_key, security.cert_chain)
+        channel = grpc.secure_channel(address, credentials, options=options)
+    if security is not None and security.token:
+        channel = grpc.intercept_channel(channel, _BearerToken(security.token))
+    return channel
+
+

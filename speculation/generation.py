@@ -1,0 +1,195 @@
+"""The generation loop, written once over the TargetSession protocol: open, prefill, then one Step per target
+forward (the target drafts with its own drafter, verifies and commits; speculation/steps.py).
+
+The SDK runs it over a gRPC stream (one round trip per step); the target service's Generate RPC runs the very same
+loop in-process (none). It only speaks dspark.v1 messages, so it needs no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+
+PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
+
+
+class RequestError(Exception):
+    """An operation failed with a gRPC status code (google.rpc.Code numbering) and a message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{CODE_NAMES.get(code, code)}: {message}")
+        self.code = code
+        self.message = message
+
+
+CODE_NAMES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+               8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 13: "INTERNAL", 14: "UNAVAILABLE"}
+
+
+class TargetOps(Protocol):
+    """One request, one response, in order (a TargetSession stream or an in-process dispatcher)."""
+
+    def call(self, request: target_pb2.TargetSessionRequest) -> target_pb2.TargetSessionResponse: ...
+
+
+def checked(response: target_pb2.TargetSessionResponse) -> target_pb2.TargetSessionResponse:
+    if response.status.code:
+        raise RequestError(response.status.code, response.status.message)
+    return response
+
+
+class StopStrings:
+    """Holds back text that may be the start of a stop string; cuts the text before the first stop."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached)."""
+        buf = self.held + piece
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: GenerationConfig,
+                    eos_token_ids: frozenset[int], stats: common_pb2.GenerationStats,
+                    step_options: target_pb2.StepOptions | None = None) -> Iterator[Delta]:
+    """Prefill, then one Step (one target forward) at a time; yields what each step adds. `step_options` (unset:
+    AR) say how the target decodes the steps. Releases the session on every exit."""
+    if config.max_new_tokens <= 0:
+        raise RequestError(3, f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    ids = iter(range(1, 1 << 62))
+
+    def call(**op: object) -> target_pb2.TargetSessionResponse:
+        return checked(target.call(target_pb2.TargetSessionRequest(request_id=next(ids), **op)))
+
+    opened = call(open=target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION, step_options=step_options)).opened
+    sid = opened.session_id
+    reasons = [opened.fallback_reason] if opened.fallback_reason else []
+    stop = StopStrings(list(config.stop))
+    drafted: list[int] = []  # per depth: steps that drafted a token at that depth
+    accepted: list[int] = []  # per depth: steps whose accepted path reached that depth
+    t0 = time.perf_counter()
+    try:
+        pre = call(prefill=target_pb2.Prefill(session_id=sid, prompt=prompt, sampling=config.sampling)).prefilled
+        t_prefill = time.perf_counter()
+        stats.prompt_tokens = len(pre.prompt_tokens)
+        stats.prefill_seconds = t_prefill - t0
+        length = len(pre.prompt_tokens)
+        emitted, texts = [pre.next_token], [pre.text]
+        while True:
+            delta = Delta("", [])
+            for token, piece in zip(emitted, texts, strict=True):
+                if token in eos_token_ids and not config.ignore_eos:
+                    delta.finish_reason = common_pb2.FINISH_REASON_EOS
+                    break
+                delta.token_ids.append(token)
+                stats.generated_tokens += 1
+                safe, hit = stop.push(piece)
+                delta.text += safe
+                if hit:
+                    delta.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
+                    break
+                if stats.generated_tokens >= config.max_new_tokens:
+                    delta.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    break
+            if not delta.finish_reason and length + 1 > opened.max_length:
+                delta.finish_reason = common_pb2.FINISH_REASON_CONTEXT_FULL
+            if delta.finish_reason and delta.finish_reason != common_pb2.FINISH_REASON_STOP_STRING:
+                delta.text += stop.flush()
+            if delta.finish_reason:
+                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, opened.step_mode, reasons)
+                yield delta
+                return
+            yield delta
+
+            t_step = time.perf_counter()
+            stepped = call(step=target_pb2.Step(session_id=sid)).stepped
+            _add_step(stats, stepped.report, len(stepped.tokens) - 1, time.perf_counter() - t_step, drafted,
+                      accepted, reasons)
+            length = stepped.length
+            emitted = list(stepped.tokens[1:]) + [stepped.next_token]
+            texts = list(stepped.token_texts)
+    finally:
+        try:
+            call(release=target_pb2.Release(session_id=sid))
+        except Exception:  # noqa: BLE001 - the stream may already be gone; the server frees it then
+            pass
+
+
+_PROPOSER_NAMES = {v: k.removeprefix("PROPOSER_").lower() for k, v in draft_pb2.Proposer.items()}
+
+
+def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, accepted_tokens: int, wall: float,
+              drafted: list[int], accepted: list[int], reasons: list[str]) -> None:
+    stats.steps += 1
+    stats.committed_per_step.append(accepted_tokens + 1)
+    stats.draft_seconds += report.draft_seconds
+    stats.verify_seconds += report.verify_seconds
+    stats.transport_seconds += max(wall - report.draft_seconds - report.verify_seconds, 0.0)
+    stats.planned_ar_steps += report.planned_ar
+    stats.truncated_drafts += report.truncated
+    if report.draft_depth:
+        stats.speculative_steps += 1
+        _count(drafted, report.draft_depth)
+        _count(accepted, accepted_tokens)
+        for proposer in report.accepted_proposers:
+            stats.accepted_by_proposer[_PROPOSER_NAMES.get(proposer, "unknown")] += 1
+    else:
+        stats.ar_steps += 1
+    if report.fallback_reason:
+        reasons.append(report.fallback_reason)
+
+
+def _count(counts: list[int], depth: int) -> None:
+    """counts[d-1] += 1 for d in 1..depth."""
+    counts.extend([0] * (depth - len(counts)))
+    for d in range(depth):
+        counts[d] += 1
+
+
+def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
+                  accepted: list[int], step_mode: int, reasons: list[str]) -> None:
+    stats.decode_seconds = decode_seconds
+    # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
+    if stats.steps:
+        stats.acceptance_length = (stats.generated_tokens - 1) / stats.steps
+    accepted = accepted + [0] * (len(drafted) - len(accepted))
+    del stats.per_position_acceptance[:], stats.drafted_per_position[:], stats.accepted_per_position[:]
+    stats.drafted_per_position.extend(drafted)
+    stats.accepted_per_position.extend(accepted)
+    stats.per_position_acceptance.extend(a / d for a, d in zip(accepted, drafted, strict=True))
+    stats.mode_run = common_pb2.DECODE_MODE_SPECULATION if stats.speculative_steps else common_pb2.DECODE_MODE_AR
+    stats.fallback_reason = "; ".join(reasons)
+    total = stats.prefill_seconds + decode_seconds
+    if total > 0:
+        stats.tokens_per_second = stats.generated_tokens / total

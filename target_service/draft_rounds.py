@@ -1,0 +1,100 @@
+"""The target's rounds with its drafter: one DraftSession stream for all the target's sessions, one DraftRound
+message per round.
+
+The steps that want a proposal at about the same time form a round (a StepBatcher gathers them, waiting briefly
+for the sessions of the last rounds): their queued ops (opens, the captures of the rows committed since their last
+round) and their proposal requests go to the drafter as one message, which drafts them in one pass; the round's
+sessions then verify in one target forward (`on_round` tells the target's batcher to expect them). A round that
+fails (timeout, a dropped stream, the drafter's health probe failing) fails the drafting of every session in it;
+their draft sessions lived on that stream, so a session opened on an earlier stream stops drafting, and new
+sessions open on a new stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dspark_grpc.protos.dspark.v1 import draft_pb2
+from dspark_grpc.runtime.batching import StepBatcher
+from dspark_grpc.speculation.channel import SessionStream
+from dspark_grpc.speculation.generation import RequestError
+from dspark_grpc.speculation.steps import CODE_NAMES, SessionDrafting
+from dspark_grpc.target_service.drafter_link import DrafterLink
+
+
+@dataclass
+class RoundJob:
+    drafting: SessionDrafting
+    ops: list[draft_pb2.DraftSessionRequest]
+
+
+@dataclass
+class RoundReply:
+    replies: list[draft_pb2.DraftSessionResponse] | None  # one per op of the job; None when the round failed
+    error: str = ""
+
+
+class DraftRounds:
+    def __init__(self, link: DrafterLink, timeout_s: float | None,
+                 on_round: Callable[[list[str]], None] | None = None) -> None:
+        self.link, self.timeout_s, self.on_round = link, timeout_s, on_round
+        self.batcher: StepBatcher[RoundJob, RoundReply] = StepBatcher(
+            self._run, name="draft-rounds", session=lambda job: job.drafting.session_id)
+        self.generation = 0  # of the link stream; a session's draft session lives on the one it was opened on
+        self._stream: SessionStream | None = None
+        self._ids = itertools.count(1)
+
+    def submit(self, job: RoundJob) -> RoundReply:
+        return self.batcher.submit(job)[0]
+
+    def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest) -> None:
+        """Release a draft session without waiting (it goes with the next round, or alone)."""
+        threading.Thread(target=self.submit, args=(RoundJob(drafting, [op]),), name="draft-release",
+                         daemon=True).start()
+
+    def close(self) -> None:
+        self.batcher.close()
+        if self._stream is not None:
+            self._stream.close()
+
+    def _run(self, jobs: list[RoundJob]) -> list[RoundReply]:
+        replies: list[RoundReply | None] = [None] * len(jobs)
+        if self._stream is None:
+            stream = self.link.open_stream()
+            if stream is None:
+                return [RoundReply(None, f"{self.link.down_reason}")] * len(jobs)
+            self._stream, self.generation = stream, self.generation + 1
+        ops, spans = [], []
+        for i, job in enumerate(jobs):
+            if job.ops and job.ops[0].WhichOneof("op") == "open":
+                job.drafting.stream_generation = self.generation
+            elif job.drafting.stream_generation != self.generation:
+                replies[i] = RoundReply(None, "the stream to the drafter was lost with this session's context")
+                continue
+            spans.append((i, len(ops), len(job.ops)))
+            ops.extend(job.ops)
+        if spans:
+            request = draft_pb2.DraftSessionRequest(request_id=next(self._ids), round=draft_pb2.DraftRound(ops=ops))
+            why = ""
+            try:
+                response = self._stream.call(request, timeout=self.timeout_s)
+            except RequestError as e:  # a transport failure, a timeout: this stream is done
+                self._stream.close()
+                self._stream = None
+                why = f"drafter round failed ({CODE_NAMES.get(e.code, e.code)}: {e.message})"
+            else:
+                results = list(response.round.results)
+                if response.status.code:
+                    why = f"drafter round refused ({CODE_NAMES.get(response.status.code, response.status.code)}: " \
+                          f"{response.status.message})"
+                elif len(results) != len(ops):
+                    why = f"the drafter answered {len(results)} of {len(ops)} ops"
+            for i, start, n in spans:
+                replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
+        if self.on_round is not None:
+            self.on_round([job.drafting.session_id for job in jobs])
+        return replies  # type: ignore[return-value]
+
