@@ -12,6 +12,11 @@ Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode an
   included (the prefill's token is no decode step's).
 - per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1, pooled over all requests from the
   per-depth counts each request reports (GenerationStats.drafted_per_position / accepted_per_position).
+- forward_sessions / forward_rows: mean sessions and rows of the target forward a step ran in; draft_pass_sessions:
+  mean sessions of the drafter pass a drafting step drafted in (how well speculative rounds batch).
+- client_bytes_per_step / client_capture_bytes_per_step: bytes of session ops through the client per step, and
+  the hidden-state captures among them (0: captures go target -> drafter only); draft_ahead_hit_rate: drafting
+  steps whose proposal was ready when the step began.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+from dspark_grpc.client.delay_proxy import delay_proxy
 from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
@@ -119,13 +125,14 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
-              cost_profile: bool = True, connect_timeout: float = 15.0,
+              cost_profile: bool = True, connect_timeout: float = 15.0, link_delay_ms: float = 0.0,
               baselines: tuple[str, ...] = (), log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
-    and stopped at the end. `baselines` ("llama-cpp")
+    and stopped at the end. `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client ->
+    target and, for a target started here, target -> drafter. `baselines` ("llama-cpp")
     run after the modes, with the services stopped, as child processes of this one.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -149,12 +156,16 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             # SERVING before the target starts: the two start-up cost profiles must not share the CPU
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else []), wait_serving=True))
+        if drafter is not None and link_delay_ms > 0:
+            drafter = stack.enter_context(delay_proxy(drafter, link_delay_ms / 1000))
         if target is None:
             started.insert(0, "target")
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
             args = ["--max-sessions", sessions, "--draft-timeout", str(draft_timeout), *profile] + \
                 (["--model", target_model] if target_model else []) + (["--drafter", drafter] if drafter else [])
             target = stack.enter_context(local_target(args, wait_serving=True))
+        if link_delay_ms > 0:
+            target = stack.enter_context(delay_proxy(target, link_delay_ms / 1000))
         client = stack.enter_context(TargetClient(target, proposal=proposal, budget=budget, kernel=kernel,
                                                   proposer=proposer))
         client.wait_ready(timeout=600, unreachable_after=connect_timeout)
@@ -165,7 +176,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
-            "cost_profile": cost_profile,
+            "cost_profile": cost_profile, "link_delay_ms": link_delay_ms,
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
                             "num_layers": info.num_layers, "device": info.device,
@@ -311,7 +322,26 @@ def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
         "prefill_s": sum(s.prefill_seconds for s in stats),
         "draft_s": sum(s.draft_seconds for s in stats),
         "verify_s": sum(s.verify_seconds for s in stats),
+        # how the steps batched: sessions and rows per target forward, sessions per drafter pass (step-weighted)
+        "forward_sessions": _per_step(stats, "forward_sessions"),
+        "forward_rows": _per_step(stats, "forward_rows"),
+        "draft_pass_sessions": _weighted(stats, "draft_pass_sessions", "speculative_steps"),
+        # what crossed the client per step (session ops), and how much of it was hidden states
+        "client_bytes_per_step": sum(s.session_bytes for s in stats) / steps if steps else 0.0,
+        "client_capture_bytes_per_step": sum(s.capture_bytes for s in stats) / steps if steps else 0.0,
+        "draft_ahead_hit_rate": (sum(s.drafts_ready for s in stats) / sum(s.speculative_steps for s in stats)
+                                 if any(s.speculative_steps for s in stats) else 0.0),
     }
+
+
+def _per_step(stats: list, name: str) -> float:
+    return _weighted(stats, name, "steps")
+
+
+def _weighted(stats: list, name: str, weight: str) -> float:
+    """The mean of a per-request mean, weighted by each request's count of what it averages over."""
+    total = sum(getattr(s, weight) for s in stats)
+    return sum(getattr(s, name) * getattr(s, weight) for s in stats) / total if total else 0.0
 
 
 def per_position_acceptance(stats: list) -> list[float]:

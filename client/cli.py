@@ -222,6 +222,9 @@ def parser() -> OneLineParser:
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
+    b.add_argument("--link-delay-ms", type=float, default=0.0,
+                   help="add this one-way delay to every message on every link (client -> target, and target -> "
+                        "drafter for a target bench starts): a loopback proxy, to see what a network costs")
     b.add_argument("--connect-timeout", type=float, default=15.0,
                    help="seconds to wait for an answer at --target/--drafter before giving up (a service that "
                         "answers but is still loading is waited for)")
@@ -337,6 +340,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
+                       link_delay_ms=args.link_delay_ms,
                        command=command, baselines=tuple(args.baseline))
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

@@ -89,8 +89,16 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
         raise RequestError(3, f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
     ids = iter(range(1, 1 << 62))
 
+    sums = _StepSums()
+
     def call(**op: object) -> target_pb2.TargetSessionResponse:
-        return checked(target.call(target_pb2.TargetSessionRequest(request_id=next(ids), **op)))
+        request = target_pb2.TargetSessionRequest(request_id=next(ids), **op)
+        response = target.call(request)
+        sums.bytes += request.ByteSize() + response.ByteSize()
+        result = response.WhichOneof("result")
+        if result in _WITH_CAPTURE and getattr(response, result).HasField("capture"):
+            sums.capture_bytes += getattr(response, result).capture.ByteSize()
+        return checked(response)
 
     opened = call(open=target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION, step_options=step_options)).opened
     sid = opened.session_id
@@ -127,7 +135,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             if delta.finish_reason and delta.finish_reason != common_pb2.FINISH_REASON_STOP_STRING:
                 delta.text += stop.flush()
             if delta.finish_reason:
-                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, opened.step_mode, reasons)
+                _finish_stats(stats, time.perf_counter() - t_prefill, drafted, accepted, sums, reasons)
                 yield delta
                 return
             yield delta
@@ -135,7 +143,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             t_step = time.perf_counter()
             stepped = call(step=target_pb2.Step(session_id=sid)).stepped
             _add_step(stats, stepped.report, len(stepped.tokens) - 1, time.perf_counter() - t_step, drafted,
-                      accepted, reasons)
+                      accepted, reasons, sums)
             length = stepped.length
             emitted = list(stepped.tokens[1:]) + [stepped.next_token]
             texts = list(stepped.token_texts)
@@ -149,9 +157,28 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
 _PROPOSER_NAMES = {v: k.removeprefix("PROPOSER_").lower() for k, v in draft_pb2.Proposer.items()}
 
 
+@dataclass
+class _StepSums:
+    forward_sessions: int = 0
+    forward_rows: int = 0
+    draft_pass_sessions: int = 0
+    drafting_steps: int = 0
+    bytes: int = 0
+    capture_bytes: int = 0
+
+
+_WITH_CAPTURE = ("prefilled", "verified", "committed")
+
+
 def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, accepted_tokens: int, wall: float,
-              drafted: list[int], accepted: list[int], reasons: list[str]) -> None:
+              drafted: list[int], accepted: list[int], reasons: list[str], sums: _StepSums) -> None:
     stats.steps += 1
+    sums.forward_sessions += report.batch_sessions
+    sums.forward_rows += report.batch_rows
+    if report.draft_batch_sessions:
+        sums.draft_pass_sessions += report.draft_batch_sessions
+        sums.drafting_steps += 1
+    stats.drafts_ready += report.draft_ready
     stats.committed_per_step.append(accepted_tokens + 1)
     stats.draft_seconds += report.draft_seconds
     stats.verify_seconds += report.verify_seconds
@@ -178,8 +205,14 @@ def _count(counts: list[int], depth: int) -> None:
 
 
 def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
-                  accepted: list[int], step_mode: int, reasons: list[str]) -> None:
+                  accepted: list[int], sums: _StepSums, reasons: list[str]) -> None:
     stats.decode_seconds = decode_seconds
+    stats.session_bytes, stats.capture_bytes = sums.bytes, sums.capture_bytes
+    if stats.steps:
+        stats.forward_sessions = sums.forward_sessions / stats.steps
+        stats.forward_rows = sums.forward_rows / stats.steps
+    if sums.drafting_steps:
+        stats.draft_pass_sessions = sums.draft_pass_sessions / sums.drafting_steps
     # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
     if stats.steps:
         stats.acceptance_length = (stats.generated_tokens - 1) / stats.steps

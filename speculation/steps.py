@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
@@ -42,6 +43,15 @@ class FittedTree:
 
 
 @dataclass
+class NextStep:
+    """A step planned when the one before it committed: its arm and, drafted ahead, its round's ops and reply."""
+
+    arm: int
+    ops: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
+    reply: Future | None = None
+
+
+@dataclass
 class SessionDrafting:
     """The target's side of one session's draft session (one id on both services)."""
 
@@ -56,6 +66,7 @@ class SessionDrafting:
     queued: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
     steps: int = 0
     reported_switches: int = 0
+    next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,

@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only; 0 = no bound "
                         "(a drafter that fails its health probe, checked every 0.5 s, is dropped either way)")
+    s.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
+                   help="do not ask the drafter for a session's next proposal as soon as a step commits (by default "
+                        "it drafts while the reply travels and the next Step comes back)")
     s.add_argument("--max-batch-rows", type=int, default=1024,
                    help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
     s.add_argument("--drafter-tls-ca", default=None, metavar="PEM",
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"drafter link: {e}")
     servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
                               drafter_security=drafter_security,
-                              default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions)
+                              default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions,
+                              draft_ahead=args.draft_ahead)
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.runtime.service_metrics import ForwardMetrics, live_sessions_gauge

@@ -29,6 +29,7 @@ from dspark_grpc.target_service.drafter_link import DrafterLink
 class RoundJob:
     drafting: SessionDrafting
     ops: list[draft_pb2.DraftSessionRequest]
+    verify_follows: bool = True  # the step waits for this round to verify (not a draft ahead, not a release)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class DraftRounds:
 
     def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest) -> None:
         """Release a draft session without waiting (it goes with the next round, or alone)."""
-        threading.Thread(target=self.submit, args=(RoundJob(drafting, [op]),), name="draft-release",
+        threading.Thread(target=self.submit, args=(RoundJob(drafting, [op], False),), name="draft-release",
                          daemon=True).start()
 
     def close(self) -> None:
@@ -95,6 +96,6 @@ class DraftRounds:
             for i, start, n in spans:
                 replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
         if self.on_round is not None:
-            self.on_round([job.drafting.session_id for job in jobs])
+            self.on_round([job.drafting.session_id for job in jobs if job.verify_follows])
         return replies  # type: ignore[return-value]
 

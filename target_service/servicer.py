@@ -24,7 +24,7 @@ from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
 from dspark_grpc.speculation.planner import AR, PlannerMemory
-from dspark_grpc.speculation.steps import SessionDrafting, tree_depth
+from dspark_grpc.speculation.steps import NextStep, SessionDrafting, tree_depth
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
 from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
@@ -103,7 +103,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
                  default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
                  executor: ThreadPoolExecutor | None = None, max_sessions: int = 16,
-                 drafter_security: ChannelSecurity | None = None) -> None:
+                 drafter_security: ChannelSecurity | None = None, draft_ahead: bool = True) -> None:
         self.engine: TargetEngine | None = None  # set once the model is loaded
         self.max_message_bytes = max_message_bytes
         # what a reply may carry in captures or logits, leaving room for its other fields
@@ -118,6 +118,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted) \
             if self.drafter is not None else None
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
+        # draft ahead: a session's next proposal is asked for as soon as its step commits
+        self.draft_ahead = draft_ahead
+        self.ahead = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-ahead")
         self.default_mode = default_mode
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
         self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across sessions
@@ -275,15 +278,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         drafting = self.drafting.get(sid)
         report = target_pb2.StepReport()
         failed_before = drafting is not None and not drafting.active
-        arm = drafting.plan() if drafting is not None else AR
+        planned = None
+        if drafting is not None:
+            planned, drafting.next = drafting.next, None
+            if planned is None:
+                planned = NextStep(drafting.plan())
+        arm = planned.arm if planned is not None else AR
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
         proposers: list[int] = [0]
         predicted = None
         try:
-            if arm != AR:
-                ops = drafting.round_ops(pending, length, arm)
-                reply = self.rounds.submit(RoundJob(drafting, ops))
+            if arm != AR and drafting.active:
+                if planned.reply is not None:  # drafted ahead
+                    report.draft_ready = planned.reply.done()
+                    ops, reply = planned.ops, planned.reply.result()
+                else:
+                    ops = drafting.round_ops(pending, length, arm)
+                    reply = self.rounds.submit(RoundJob(drafting, ops))
                 proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
                 if reply.replies is None:
                     drafting.fail(reply.error)
@@ -314,12 +326,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.planned_ar = arm == AR and drafting.planner is not None and drafting.active
             drafting.observe(arm, len(tree.tokens), len(out.path) - 1, report.draft_seconds, t2 - t0,
                              out.batch.seconds, out.batch.jobs, out.batch.rows, predicted)
+            if self.draft_ahead and drafting.active and committed.length + 1 < max_length:
+                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []
             if switches := drafting.new_switches():
                 reasons.append(switches)
             report.fallback_reason = "; ".join(reasons)
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
+
+    def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int) -> NextStep:
+        """Plan the session's next step now and, if it drafts, ask for its proposal at once: the drafter works
+        while the reply travels to the client and its next Step comes back."""
+        arm = drafting.plan()
+        if arm == AR:
+            return NextStep(AR)
+        ops = drafting.round_ops(anchor, position, arm)
+        return NextStep(arm, ops, self.ahead.submit(self.rounds.submit, RoundJob(drafting, ops, verify_follows=False)))
 
     # -- single-call generation ---------------------------------------------------------------------
 
