@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.generation import CODE_NAMES, PROTOCOL_VERSION
 from dspark_grpc.speculation.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
+from dspark_grpc.speculation.round_planner import predicted_accepted
 
 
 def planner_arms(proposer: int, info: draft_pb2.GetDrafterInfoResponse) -> list[int]:
@@ -136,15 +137,20 @@ class SessionDrafting:
             return None
         return proposal
 
-    def fit(self, proposal: draft_pb2.Proposal, room: int) -> FittedTree:
-        """The proposal's tree within the context's room, a confident chain cut where the planner says."""
+    def fit(self, proposal: draft_pb2.Proposal, room: int, round_depth: int | None = None) -> FittedTree:
+        """The proposal's tree within the context's room; a confident chain cut to the round's plan
+        (speculation/round_planner.py) or, without one, where the session's planner says."""
         tree, kept = fit_tree(proposal.tree, room)
         proposers = [proposal.node_proposers[i] if i < len(proposal.node_proposers) else 0 for i in kept]
         predicted = None
-        if self.planner is not None:
+        if round_depth is not None:
+            values = chain_confidences(tree, proposal.confidences)
+            if values is not None:
+                tree = cut_to_depth(tree, round_depth)
+                predicted = predicted_accepted(values, round_depth)
+        elif self.planner is not None:
             tree, predicted = cut_chain(self.planner, tree, proposal.confidences)
-            proposers = proposers[: len(tree.tokens)]
-        return FittedTree(tree, proposers, predicted)
+        return FittedTree(tree, proposers[: len(tree.tokens)], predicted)
 
     def observe(self, arm: int, nodes: int, accepted: int, draft_seconds: float, step_seconds: float,
                 verify_seconds: float, batch_sessions: int, batch_rows: int, predicted: float | None) -> None:
@@ -195,27 +201,34 @@ def fit_tree(tree: common_pb2.TokenTree, room: int) -> tuple[common_pb2.TokenTre
                                 parents=[-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep]), keep
 
 
-def cut_chain(planner: StepPlanner, tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
-              ) -> tuple[common_pb2.TokenTree, float | None]:
-    """Cut a chain that carries confidences to the depth the planner picks; also sum_d prod_{j<=d} c_j over what
-    is kept, the accepted tokens the uncalibrated confidences predict (for the planner's calibration). Trees and
-    chains without confidences pass unchanged."""
+def chain_confidences(tree: common_pb2.TokenTree, confidences: common_pb2.Tensor) -> list[float] | None:
+    """The per-depth confidences of a chain that carries them (None for a tree or a chain without them)."""
     n = len(tree.tokens) - 1
     if n < 1 or not confidences.data or list(tree.parents) != list(range(-1, n)):
+        return None
+    return list(struct.unpack(f"<{len(confidences.data) // 4}f", confidences.data))[:n]
+
+
+def cut_chain(planner: StepPlanner, tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
+              ) -> tuple[common_pb2.TokenTree, float | None]:
+    """Cut a chain that carries confidences to the depth the planner picks; also what the uncalibrated confidences
+    predict for what is kept (for the planner's calibration). Trees and chains without confidences pass unchanged."""
+    values = chain_confidences(tree, confidences)
+    if values is None:
         return tree, None
-    values = list(struct.unpack(f"<{len(confidences.data) // 4}f", confidences.data))[:n]
     m = planner.cut_chain(values)
-    survival, expected = 1.0, 0.0
-    for c in values[:m]:
-        survival *= min(max(c, 0.0), 1.0)
-        expected += survival
-    if m < n:
-        cut = common_pb2.TokenTree(tokens=tree.tokens[: m + 1], parents=tree.parents[: m + 1])
-        for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
-            if tree.HasField(name):
-                getattr(cut, name).CopyFrom(_first_rows(getattr(tree, name), m + 1))
-        tree = cut
-    return tree, expected
+    return cut_to_depth(tree, m), predicted_accepted(values, m)
+
+
+def cut_to_depth(tree: common_pb2.TokenTree, depth: int) -> common_pb2.TokenTree:
+    """The first `depth` draft tokens of a chain (with the rows of its tensors)."""
+    if depth >= len(tree.tokens) - 1:
+        return tree
+    cut = common_pb2.TokenTree(tokens=tree.tokens[: depth + 1], parents=tree.parents[: depth + 1])
+    for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
+        if tree.HasField(name):
+            getattr(cut, name).CopyFrom(_first_rows(getattr(tree, name), depth + 1))
+    return cut
 
 
 def _first_rows(t: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:

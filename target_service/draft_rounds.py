@@ -36,12 +36,16 @@ class RoundJob:
 class RoundReply:
     replies: list[draft_pb2.DraftSessionResponse] | None  # one per op of the job; None when the round failed
     error: str = ""
+    depth: int | None = None  # how much of its chain to verify, decided for the round (None: not decided)
 
 
 class DraftRounds:
     def __init__(self, link: DrafterLink, timeout_s: float | None,
-                 on_round: Callable[[list[str]], None] | None = None) -> None:
-        self.link, self.timeout_s, self.on_round = link, timeout_s, on_round
+                 on_round: Callable[[list[str]], None] | None = None,
+                 plan: Callable[[list[RoundJob], list[RoundReply]], None] | None = None) -> None:
+        """`plan(jobs, replies)` may set each reply's depth (the round's chains cut together); `on_round(ids)`
+        hears which sessions are about to verify."""
+        self.link, self.timeout_s, self.on_round, self.plan = link, timeout_s, on_round, plan
         self.batcher: StepBatcher[RoundJob, RoundReply] = StepBatcher(
             self._run, name="draft-rounds", session=lambda job: job.drafting.session_id)
         self.generation = 0  # of the link stream; a session's draft session lives on the one it was opened on
@@ -95,6 +99,8 @@ class DraftRounds:
                     why = f"the drafter answered {len(results)} of {len(ops)} ops"
             for i, start, n in spans:
                 replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
+        if self.plan is not None:
+            self.plan(jobs, replies)  # type: ignore[arg-type]
         if self.on_round is not None:
             self.on_round([job.drafting.session_id for job in jobs if job.verify_follows])
         return replies  # type: ignore[return-value]

@@ -23,9 +23,10 @@ from dspark_grpc.runtime.sessions import Owner
 from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.speculation.planner import AR, PlannerMemory
-from dspark_grpc.speculation.steps import NextStep, SessionDrafting, tree_depth
-from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
+from dspark_grpc.speculation.planner import AR, PlannerMemory, VerifyCosts
+from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths
+from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
+from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob, RoundReply
 from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
@@ -115,8 +116,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.drafter = DrafterLink(make_channel(drafter_address, drafter_security), drafter_address,
                                    draft_timeout).start() \
             if drafter_address else None
-        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted) \
+        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted, self._plan_round) \
             if self.drafter is not None else None
+        self.round_calibration = RoundCalibration()
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
         # draft ahead: a session's next proposal is asked for as soon as its step commits
         self.draft_ahead = draft_ahead
@@ -165,6 +167,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         drafting = self.drafting.pop(session_id, None)
         if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
             self.rounds.release(drafting, op)
+
+    def _plan_round(self, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
+        """Cut the round's confident chains together (speculation/round_planner.py), from the start-up cost tables."""
+        engine = self.engine
+        if engine is None or not engine.cost_tables:
+            return
+        chains = []
+        for job, reply in zip(jobs, replies, strict=True):
+            if reply.replies is None or not job.ops or job.ops[-1].WhichOneof("op") != "propose" or \
+                    reply.replies[-1].status.code:
+                continue
+            proposal = reply.replies[-1].proposal
+            values = chain_confidences(proposal.tree, proposal.confidences)
+            if values is not None:
+                adaptive = job.drafting.options.mode == common_pb2.DECODE_MODE_ADAPTIVE
+                chains.append((reply, values, 0 if adaptive else 1))
+        if chains:
+            costs = VerifyCosts([t.to_proto() for t in engine.cost_tables])
+            depths = plan_depths([v for _, v, _ in chains], [m for _, _, m in chains], self.round_calibration.value,
+                                 costs.seconds)
+            for (reply, _, _), depth in zip(chains, depths, strict=True):
+                reply.depth = depth
 
     def _round_drafted(self, session_ids: list[str]) -> None:
         if self.engine is not None:
@@ -287,7 +311,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
         proposers: list[int] = [0]
-        predicted = None
+        predicted = reply_depth = None
         try:
             if arm != AR and drafting.active:
                 if planned.reply is not None:  # drafted ahead
@@ -299,10 +323,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
                 if reply.replies is None:
                     drafting.fail(reply.error)
+                reply_depth = reply.depth
                 report.draft_seconds = time.perf_counter() - t0
                 if proposal is not None:
                     truncated = drafting.planner.truncated if drafting.planner is not None else 0
-                    fitted = drafting.fit(proposal, max_length - length)
+                    fitted = drafting.fit(proposal, max_length - length, reply.depth)
                     tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
                     report.draft_batch_sessions = proposal.batch_sessions
                     report.truncated = drafting.planner is not None and drafting.planner.truncated > truncated
@@ -324,6 +349,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             layers = engine.sessions.get(sid).capture_layers
             drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
             report.planned_ar = arm == AR and drafting.planner is not None and drafting.active
+            if predicted is not None and reply_depth is not None:
+                self.round_calibration.observe(predicted, len(out.path) - 1)
             drafting.observe(arm, len(tree.tokens), len(out.path) - 1, report.draft_seconds, t2 - t0,
                              out.batch.seconds, out.batch.jobs, out.batch.rows, predicted)
             if self.draft_ahead and drafting.active and committed.length + 1 < max_length:

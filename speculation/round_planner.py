@@ -1,0 +1,85 @@
+"""How much of each drafted chain a speculative round verifies, decided for the round as a whole.
+
+The sessions of a round verify in one target forward, so a row one session adds is paid by all of them. Each
+drafted chain carries confidences c_1..c_k (the DSpark confidence head); with a calibration g (the ratio of the
+EMAs of accepted and predicted draft tokens), s_{i,d} = min(1, g * prod_{j<=d} c_{i,j}) is the chance that session i
+accepts its draft token d. Verifying m_i tokens of each chain, the forward's expected goodput is
+
+    rate(m) = (N + sum_i sum_{d<=m_i} s_{i,d}) / T(N, (N + sum_i m_i) / N)
+
+with N the round's sessions and T the target's cost table (seconds of one forward of N sessions x r rows each).
+Along a chain s_{i,d} only decreases, so taking the draft tokens in order of s (the most likely first) keeps a
+prefix of every chain; the plan is the best prefix of that order. Every session verifies at least `min_depth`
+tokens (1 in mode speculation: it drafts every step; 0 in mode adaptive, where a session cut to depth 0 runs an AR
+step). As sessions grow a row costs more and the plan shrinks, down to AR where rows stop paying.
+
+Whether x_d is verified depends only on confidences of x_<=d, hence on x_<d: a prefix of a draft is verified
+exactly as a whole draft is, so the output does not change.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+def plan_depths(confidences: Sequence[Sequence[float]], min_depths: Sequence[int], calibration: float,
+                seconds: Callable[[int, float], float]) -> list[int]:
+    """Depth to verify per chain. `seconds(lanes, rows_per_lane)` is the forward's cost."""
+    n = len(confidences)
+    assert len(min_depths) == n
+    if n == 0:
+        return []
+    survival: list[list[float]] = []
+    for cs in confidences:
+        s, p = [], 1.0
+        for c in cs:
+            p *= min(max(float(c), 0.0), 1.0)
+            s.append(min(1.0, calibration * p))
+        survival.append(s)
+    depths = [min(m, len(s)) for m, s in zip(min_depths, survival, strict=True)]
+    expected = float(n) + sum(sum(s[:m]) for s, m in zip(survival, depths, strict=True))
+    rows = n + sum(depths)
+    order = sorted(((s[d], i, d) for i, s in enumerate(survival) for d in range(depths[i], len(s))),
+                   key=lambda x: (-x[0], x[2], x[1]))
+    best, best_rate = 0, expected / seconds(n, rows / n)
+    for taken, (p, _, _) in enumerate(order, start=1):
+        expected += p
+        rows += 1
+        rate = expected / seconds(n, rows / n)
+        if rate > best_rate:
+            best, best_rate = taken, rate
+    for _, i, d in order[:best]:  # a prefix of the order holds a prefix of each chain
+        depths[i] = max(depths[i], d + 1)
+    return depths
+
+
+@dataclass
+class RoundCalibration:
+    """g: the ratio of the EMAs of accepted and predicted draft tokens over verified chains (thread-safe)."""
+
+    alpha: float = 0.1
+    sums: tuple[float, float] = (1.0, 1.0)  # starts trusting the confidences
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def value(self) -> float:
+        accepted, predicted = self.sums
+        return min(max(accepted / predicted, 0.02), 2.0) if predicted > 0 else 1.0
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        with self.lock:
+            acc, pred = self.sums
+            acc += self.alpha * (accepted - acc)
+            pred += self.alpha * (predicted - pred)
+            self.sums = (acc, pred)
+
+
+def predicted_accepted(confidences: Sequence[float], depth: int) -> float:
+    """sum_{d<=depth} prod_{j<=d} c_j: what the uncalibrated confidences predict for a chain cut to `depth`."""
+    survival, expected = 1.0, 0.0
+    for c in confidences[:depth]:
+        survival *= min(max(float(c), 0.0), 1.0)
+        expected += survival
+    return expected

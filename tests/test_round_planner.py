@@ -1,0 +1,93 @@
+"""The round planner cuts a round's chains together: a fake cost table and fake confidences, no timing."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths, predicted_accepted
+
+
+def compute_bound(lanes: int, rows_per_lane: float) -> float:
+    """A CPU-like forward: reading the weights costs 30 ms whatever the rows; each row adds 20 ms of compute."""
+    return 0.030 + 0.020 * lanes * rows_per_lane
+
+
+def brute_force(confidences, min_depths, calibration, seconds):
+    """Every combination of depths: the best expected goodput (the independent reference)."""
+    best, best_rate = None, -1.0
+    ranges = [range(m, len(c) + 1) for c, m in zip(confidences, min_depths, strict=True)]
+    n = len(confidences)
+    for depths in itertools.product(*ranges):
+        expected = n
+        for c, m in zip(confidences, depths, strict=True):
+            p = 1.0
+            for x in c[:m]:
+                p *= x
+                expected += min(1.0, calibration * p)
+        rate = expected / seconds(n, (n + sum(depths)) / n)
+        if rate > best_rate + 1e-12:
+            best, best_rate = list(depths), rate
+    return best_rate
+
+
+def rate_of(depths, confidences, calibration, seconds):
+    n = len(confidences)
+    expected = n
+    for c, m in zip(confidences, depths, strict=True):
+        p = 1.0
+        for x in c[:m]:
+            p *= x
+            expected += min(1.0, calibration * p)
+    return expected / seconds(n, (n + sum(depths)) / n)
+
+
+def test_the_round_decision_flips_from_speculation_to_ar_as_sessions_grow():
+    chain = [0.9, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    depths_by_sessions = {n: plan_depths([chain] * n, [0] * n, 1.0, compute_bound) for n in (1, 2, 4, 8, 16)}
+    per_session = {n: sum(d) / n for n, d in depths_by_sessions.items()}
+    assert per_session[1] >= 3  # alone, a row costs less than the base: verify deep
+    assert per_session[1] >= per_session[2] >= per_session[4] >= per_session[8] >= per_session[16]
+    assert per_session[16] == 0  # crowded: every row costs more than it is expected to give back -> AR
+    assert per_session[4] < per_session[1]
+
+
+def test_mode_speculation_keeps_one_token_per_session():
+    chain = [0.3] * 8
+    assert plan_depths([chain] * 16, [1] * 16, 1.0, compute_bound) == [1] * 16
+
+
+def test_each_chain_keeps_a_prefix_and_confident_chains_get_more():
+    confident, doubtful = [0.95] * 8, [0.2] * 8
+    depths = plan_depths([confident, doubtful], [0, 0], 1.0, compute_bound)
+    assert depths[0] > depths[1]
+
+
+def test_calibration_scales_the_survival():
+    chain = [0.9] * 8
+    trusting = plan_depths([chain] * 4, [0] * 4, 1.0, compute_bound)
+    doubting = plan_depths([chain] * 4, [0] * 4, 0.1, compute_bound)
+    assert sum(doubting) < sum(trusting)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_is_as_good_as_every_combination(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 3)
+    confidences = [sorted((rng.random() for _ in range(rng.randint(1, 4))), reverse=rng.random() < 0.5)
+                   for _ in range(n)]
+    min_depths = [rng.choice([0, 1]) for _ in range(n)]
+    calibration = rng.choice([0.5, 1.0, 1.5])
+    depths = plan_depths(confidences, min_depths, calibration, compute_bound)
+    assert all(m <= d <= len(c) for d, m, c in zip(depths, min_depths, confidences, strict=True))
+    assert rate_of(depths, confidences, calibration, compute_bound) == pytest.approx(
+        brute_force(confidences, min_depths, calibration, compute_bound), rel=1e-9)
+
+
+def test_calibration_is_a_ratio_of_means():
+    cal = RoundCalibration(alpha=0.5)
+    for _ in range(30):
+        cal.observe(predicted=4.0, accepted=1)
+    assert cal.value == pytest.approx(0.25, rel=1e-3)
+    assert predicted_accepted([0.5, 0.5, 0.5], 2) == pytest.approx(0.5 + 0.25)
