@@ -16,7 +16,7 @@ def compute_bound(lanes: int, rows_per_lane: float) -> float:
 
 def brute_force(confidences, min_depths, calibration, seconds):
     """Every combination of depths: the best expected goodput (the independent reference)."""
-    best, best_rate = None, -1.0
+    best_rate = -1.0
     ranges = [range(m, len(c) + 1) for c, m in zip(confidences, min_depths, strict=True)]
     n = len(confidences)
     for depths in itertools.product(*ranges):
@@ -27,8 +27,7 @@ def brute_force(confidences, min_depths, calibration, seconds):
                 p *= x
                 expected += min(1.0, calibration * p)
         rate = expected / seconds(n, (n + sum(depths)) / n)
-        if rate > best_rate + 1e-12:
-            best, best_rate = list(depths), rate
+        best_rate = max(best_rate, rate)
     return best_rate
 
 
