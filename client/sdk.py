@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
-from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.speculation import wire
 from dspark_grpc.speculation.channel import (
     ChannelSecurity,
     SessionStream,
@@ -39,13 +40,10 @@ def make_prompt(prompt: str | None = None, messages: list[dict[str, str]] | None
     return common_pb2.Prompt(tokens=common_pb2.TokenIds(ids=tokens))
 
 
-MODES = {"ar": common_pb2.DECODE_MODE_AR, "speculation": common_pb2.DECODE_MODE_SPECULATION,
-         "adaptive": common_pb2.DECODE_MODE_ADAPTIVE}
-PROPOSALS = {"chain": draft_pb2.PROPOSAL_KIND_CHAIN, "tree": draft_pb2.PROPOSAL_KIND_TREE}
-KERNELS = {"auto": draft_pb2.KERNEL_CHOICE_UNSPECIFIED, "fused": draft_pb2.KERNEL_CHOICE_FUSED,
-           "torch": draft_pb2.KERNEL_CHOICE_TORCH}
-PROPOSERS = {"default": draft_pb2.PROPOSER_UNSPECIFIED, "dspark": draft_pb2.PROPOSER_DSPARK,
-             "ngram": draft_pb2.PROPOSER_NGRAM, "hybrid": draft_pb2.PROPOSER_HYBRID}
+MODES = {name: value for name, value in wire.MODES.items() if name}
+PROPOSALS = {name: value for name, value in wire.PROPOSALS.items() if name}
+KERNELS = {name or "auto": value for name, value in wire.KERNELS.items()}  # the CLI's spelling of the default
+PROPOSERS = {name or "default": value for name, value in wire.PROPOSERS.items()}
 
 
 class TargetClient:

@@ -52,8 +52,8 @@ from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
 from dspark_grpc.speculation.cost_table import CostKey, CostTable, load_or_profile
+from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 
-PROTOCOL_VERSION = 1
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
 ROUND_WAIT_S = 2.0

@@ -13,13 +13,9 @@ from dspark_grpc.runtime.sampling import check_temperature, make_generator
 from dspark_grpc.runtime.security import principal_of
 from dspark_grpc.runtime.serving import check_enum, run_session_op, session_stream
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.speculation.wire import KERNEL_NAMES, PROPOSER_NAMES, PROPOSERS
 
-_KERNELS = {draft_pb2.KERNEL_CHOICE_UNSPECIFIED: "", draft_pb2.KERNEL_CHOICE_FUSED: "fused",
-            draft_pb2.KERNEL_CHOICE_TORCH: "torch"}
 _SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}
-_PROPOSERS = {"dspark": draft_pb2.PROPOSER_DSPARK, "ngram": draft_pb2.PROPOSER_NGRAM,
-              "hybrid": draft_pb2.PROPOSER_HYBRID, "": draft_pb2.PROPOSER_UNSPECIFIED}
-_PROPOSER_NAMES = {v: k for k, v in _PROPOSERS.items()}
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -46,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         info = draft_pb2.GetDrafterInfoResponse(
             name=engine.name, vocab_size=engine.vocab_size, protocol_version=PROTOCOL_VERSION,
             target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
-            proposers=[_PROPOSERS[p] for p in engine.proposers], default_proposer=_PROPOSERS[engine.default_proposer],
+            proposers=[PROPOSERS[p] for p in engine.proposers], default_proposer=PROPOSERS[engine.default_proposer],
             max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
             max_message_bytes=self.max_message_bytes, propose_costs=[t.to_proto() for t in engine.propose_costs],
             live_sessions=len(engine.sessions))
@@ -107,8 +103,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
-                                 kernel=_KERNELS.get(m.kernel, ""), temperature=m.sampling.temperature,
-                                 generator=generator, proposer=_PROPOSER_NAMES[m.proposer])
+                                 kernel=KERNEL_NAMES.get(m.kernel, ""), temperature=m.sampling.temperature,
+                                 generator=generator, proposer=PROPOSER_NAMES[m.proposer])
             tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
                                             node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
             if out.draft_ids is not None:  # row k-1 = the distribution node k was drawn from; the last row is unused
@@ -118,7 +114,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 tree_msg.child_logprobs.CopyFrom(to_proto(torch.cat([out.draft_logprobs.float(), pad_lps])))
             return dict(proposal=draft_pb2.Proposal(
                 tree=tree_msg, confidences=to_proto(out.confidences.float()) if out.confidences is not None else None,
-                node_proposers=[_PROPOSERS[x] for x in out.sources],
+                node_proposers=[PROPOSERS[x] for x in out.sources],
                 compute_seconds=out.compute_seconds, batch_sessions=out.batch_sessions))
         if op == "truncate":
             length = engine.truncate(request.truncate.session_id, request.truncate.length)

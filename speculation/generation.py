@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-
-PROTOCOL_VERSION = common_pb2.PROTOCOL_VERSION_1
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
+from dspark_grpc.speculation.wire import CODE_NAMES, PROPOSER_NAMES, PROTOCOL_VERSION
 
 
 class RequestError(Exception):
@@ -26,8 +25,6 @@ class RequestError(Exception):
         self.message = message
 
 
-CODE_NAMES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
-               8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 13: "INTERNAL", 14: "UNAVAILABLE"}
 
 
 class TargetOps(Protocol):
@@ -154,9 +151,6 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             pass
 
 
-_PROPOSER_NAMES = {v: k.removeprefix("PROPOSER_").lower() for k, v in draft_pb2.Proposer.items()}
-
-
 @dataclass
 class _StepSums:
     forward_sessions: int = 0
@@ -190,7 +184,7 @@ def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, 
         _count(drafted, report.draft_depth)
         _count(accepted, accepted_tokens)
         for proposer in report.accepted_proposers:
-            stats.accepted_by_proposer[_PROPOSER_NAMES.get(proposer, "unknown")] += 1
+            stats.accepted_by_proposer[(PROPOSER_NAMES.get(proposer) or "unknown")] += 1
     else:
         stats.ar_steps += 1
     if report.fallback_reason:

@@ -257,6 +257,7 @@ def _rows_bucket(rows: float) -> int:
 
 
 def _name(arm: int) -> str:
-    from dspark_grpc.protos.dspark.v1 import draft_pb2
 
-    return "AR" if arm == AR else draft_pb2.Proposer.Name(arm).removeprefix("PROPOSER_").lower()
+    from dspark_grpc.speculation.wire import PROPOSER_NAMES
+
+    return "AR" if arm == AR else PROPOSER_NAMES.get(arm, str(arm))

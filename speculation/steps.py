@@ -16,9 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.speculation.generation import CODE_NAMES, PROTOCOL_VERSION
 from dspark_grpc.speculation.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
 from dspark_grpc.speculation.round_planner import predicted_accepted
+from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
 
 
 def planner_arms(proposer: int, info: draft_pb2.GetDrafterInfoResponse) -> list[int]:

@@ -21,7 +21,8 @@ from dspark_grpc.protos.dspark.v1 import draft_pb2
 from dspark_grpc.runtime.batching import StepBatcher
 from dspark_grpc.speculation.channel import SessionStream
 from dspark_grpc.speculation.generation import RequestError
-from dspark_grpc.speculation.steps import CODE_NAMES, SessionDrafting
+from dspark_grpc.speculation.steps import SessionDrafting
+from dspark_grpc.speculation.wire import CODE_NAMES
 from dspark_grpc.target_service.drafter_link import DrafterLink
 
 

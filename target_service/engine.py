@@ -28,10 +28,10 @@ from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
 from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
+from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 
 from dspark_grpc.cli_common import CHAT_ROLES
 
-PROTOCOL_VERSION = 1
 # How long a speculative round's forward waits for a session of the round that has not submitted its verify yet
 # (only a step thread that never gets to run waits this long: one that fails first says so).
 ROUND_WAIT_S = 2.0
