@@ -102,6 +102,14 @@ class SpecDecodeMetrics:
                                      registry=r)
         self.fallbacks = prom.Counter(f"{p}:spec_decode_fallbacks", "Requests whose speculation was stopped or "
                                       "switched, by reason.", ["reason"], registry=r)
+        # per step, as the target runs them (SDK Steps and Generate alike): the planner's choices, draft ahead
+        self.step_choices = prom.Counter(f"{p}:step_choices", "Steps of drafting sessions by what ran: draft "
+                                         "(verified a draft), planned_ar (the planner chose AR), cut_to_ar (the "
+                                         "round planner cut the draft to nothing).", ["choice"], registry=r)
+        self.verified_depth = prom.Histogram(f"{p}:verified_draft_depth", "Draft tokens verified per drafting step "
+                                             "(the budget the planners chose).", buckets=TOKEN_BUCKETS, registry=r)
+        self.draft_ahead = prom.Counter(f"{p}:draft_ahead", "Proposals drafted ahead, by whether they were ready "
+                                        "when their step began.", ["outcome"], registry=r)
         self.generation_tokens = prom.Counter(f"{p}:generation_tokens", "Generated tokens.", registry=r)
         self.prompt_tokens = prom.Counter(f"{p}:prompt_tokens", "Prompt tokens.", registry=r)
 
@@ -150,6 +158,18 @@ class SpecDecodeMetrics:
             self.fallbacks.labels(reason=reason).inc()
         self.generation_tokens.inc(stats.generated_tokens)
         self.prompt_tokens.inc(stats.prompt_tokens)
+
+    def observe_step(self, report: Any, drafted_ahead: bool) -> None:
+        """One step of a drafting session (a target_pb2.StepReport), as the target ran it."""
+        if report.draft_depth:
+            self.step_choices.labels(choice="draft").inc()
+            self.verified_depth.observe(report.draft_depth)
+        elif report.planned_ar:
+            self.step_choices.labels(choice="planned_ar").inc()
+        elif report.draft_seconds:
+            self.step_choices.labels(choice="cut_to_ar").inc()
+        if drafted_ahead:
+            self.draft_ahead.labels(outcome="ready" if report.draft_ready else "late").inc()
 
     def summary(self) -> dict[str, Any]:
         """The derived numbers, vLLM's way: mean acceptance length and per-position acceptance rates."""

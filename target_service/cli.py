@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="Generate's decode mode when a request does not choose (adaptive = speculate when a drafter "
                         "is configured)")
     s.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) at "
+                   help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) and of every "
+                        "drafting session's steps (planner choices, draft ahead) at "
                         "http://HOST:PORT/metrics; 0 picks a free port")
     s.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only; 0 = no bound "

@@ -359,6 +359,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if switches := drafting.new_switches():
                 reasons.append(switches)
             report.fallback_reason = "; ".join(reasons)
+            if self.metrics is not None:
+                self.metrics.observe_step(report, planned is not None and planned.reply is not None)
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
 

@@ -119,3 +119,19 @@ def test_metrics_module_is_torch_free():
             "print(sorted(m for m in ('torch', 'numpy', 'prometheus_client') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_step_metrics_count_the_planners_choices_and_draft_ahead():
+    from dspark_grpc.protos.dspark.v1 import target_pb2
+
+    m = SpecDecodeMetrics()
+    m.observe_step(target_pb2.StepReport(draft_depth=3, draft_ready=True), drafted_ahead=True)
+    m.observe_step(target_pb2.StepReport(draft_depth=2), drafted_ahead=True)
+    m.observe_step(target_pb2.StepReport(planned_ar=True), drafted_ahead=False)
+    m.observe_step(target_pb2.StepReport(draft_seconds=0.01), drafted_ahead=False)  # drafted, cut to nothing
+    assert _value(m, "dspark:step_choices_total", choice="draft") == 2
+    assert _value(m, "dspark:step_choices_total", choice="planned_ar") == 1
+    assert _value(m, "dspark:step_choices_total", choice="cut_to_ar") == 1
+    assert _value(m, "dspark:verified_draft_depth_sum") == 5
+    assert _value(m, "dspark:draft_ahead_total", outcome="ready") == 1
+    assert _value(m, "dspark:draft_ahead_total", outcome="late") == 1
