@@ -12,9 +12,9 @@ StepBatcher (one worker thread runs whatever is queued as one `Drafter.forward_b
 tree is then built in its own caller thread. A per-session lock keeps a session's appends, truncations and
 proposals from interleaving.
 
-Start-up cost tables (`profile_costs`): seconds of one proposal round in which `lanes` sessions (1, 2, 4) share a
-drafter pass, by budget (the DSpark chain at its block size, trees of 4..32 nodes). A prompt-lookup-only service
-publishes none: an n-gram proposal is a few dictionary look-ups (microseconds), so a planner should count it free.
+Start-up cost tables (`profile_costs`, logged at start-up): seconds of one proposal round in which `lanes` sessions
+(1, 2, 4) share a drafter pass, by budget (the DSpark chain at its block size, trees of 4..32 nodes). A
+prompt-lookup-only service makes none: an n-gram proposal is a few dictionary look-ups (microseconds).
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
-from dspark_grpc.runtime.cost_profile import draft_key, time_sizes
+from dspark_grpc.runtime.cost_profile import drafter_cost_tables
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.runtime.linear import matmul_kind
 from dspark_grpc.runtime.markov import draft_chain
 from dspark_grpc.runtime.markov_triton import triton_runnable
 from dspark_grpc.runtime.ngram import (
@@ -51,7 +50,7 @@ from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
-from dspark_grpc.speculation.cost_table import CostKey, CostTable, load_or_profile
+from dspark_grpc.speculation.cost_table import CostTable
 from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
@@ -361,62 +360,21 @@ class DraftEngine:
     def profile_costs(self, cache_dir: str | Path | None, lanes: tuple[int, ...] = (1, 2, 4),
                       tree_budgets: tuple[int, ...] = (4, 8, 16, 32), context: int = 128, repeats: int = 3,
                       max_seconds: float = 2.0) -> list[CostTable]:
-        """One proposal cost table per lane count, loaded from `cache_dir` when an earlier start saved it (None:
-        always profile, save nothing); kept in `propose_costs`.
-
-        sizes = proposal budgets: the chain at num_drafts (where that is also a tree budget, the tree, which runs
-        the chain as well) and the tree budgets up to the limit. seconds[i] = one round in which `lanes` sessions
-        share a drafter pass and then each builds its chain/tree of sizes[i]: the pass (timed at each lane
-        count) + lanes x one session's chain/tree (timed per size). Sessions build theirs in their own threads,
-        so the sum is an upper bound where those overlap. Each table stays monotone in size, and seconds never
-        fall as lanes grow. Profiling runs `repeats` rounds after a warm-up, fewer past `max_seconds`."""
+        """One proposal cost table per lane count (runtime/cost_profile.py `drafter_cost_tables`), kept in
+        `propose_costs`: sizes = proposal budgets, the chain at num_drafts (where that is also a tree budget, the
+        tree, which runs the chain as well) and the tree budgets up to the limit."""
         d = self.drafter
         if d is None:
             self.propose_costs = []
             return []
         budgets = {b for b in tree_budgets if b <= self.limits.max_tree_budget}
-        sizes = sorted(budgets | {d.config.num_drafts})
-        lanes = tuple(sorted(set(lanes)))
         name = f"dspark:{drafter_fingerprint(d)}:{self.limits.default_kernel}:top{self.limits.tree_top_k}"
-        dtype = str(d.dtype).removeprefix("torch.")
-        keys = [draft_key(self.target_fingerprint[0], name, dtype, d.device, context=context, lanes=n,
-                          matmul=matmul_kind(d)) for n in lanes]
-        measured: dict[int, CostTable] = {}
-
-        def profile(key: CostKey) -> CostTable:  # the first table the cache lacks measures them all
-            if not measured:
-                pass_s, post_s, info = self._measure(lanes, sizes, budgets, context, repeats, max_seconds)
-                floor = [0.0] * len(sizes)
-                for k, n in zip(keys, lanes, strict=True):
-                    floor = [max(f, pass_s[n] + n * post_s[size]) for f, size in zip(floor, sizes, strict=True)]
-                    measured[n] = CostTable(k, sizes, floor, info=info)
-            return measured[key.lanes]
-
-        self.propose_costs = [load_or_profile(cache_dir, key, lambda key=key: profile(key)) for key in keys]
+        self.propose_costs = drafter_cost_tables(
+            d, cache_dir, name, self.target_fingerprint[0], sorted(budgets | {d.config.num_drafts}),
+            lambda out, anchor, b: dspark_proposal(d, out, anchor, b in budgets, b, self.limits.default_kernel, 0.0,
+                                                   None, self.limits),
+            lanes=lanes, context=context, repeats=repeats, max_seconds=max_seconds)
         return self.propose_costs
-
-    def _measure(self, lanes: tuple[int, ...], sizes: list[int], tree_budgets: set[int], context: int, repeats: int,
-                 max_seconds: float) -> tuple[dict[int, float], dict[int, float], dict]:
-        """Median seconds of a drafter pass by lanes, and of one session's chain/tree by budget, over `context`
-        random context rows per session."""
-        d, gen = self.drafter, torch.Generator().manual_seed(0)
-        c = d.config
-        contexts = []
-        for _ in range(max(lanes)):
-            ctx = d.new_context(max_length=context + c.block_size, initial_capacity=context + c.block_size)
-            ctx.append(torch.randn(context, len(c.target_layer_ids), c.target_hidden_size, generator=gen), 0)
-            contexts.append(ctx)
-        anchor = int(torch.randint(self.vocab_size, (1,), generator=gen))
-        sync = torch.cuda.synchronize if d.device.type == "cuda" else lambda: None
-        pass_s, pass_info = time_sizes(lambda n: d.forward_blocks([(x, anchor) for x in contexts[:n]]), lanes,
-                                       repeats, sync=sync, max_seconds=max_seconds / 2)
-        out = d.forward_block(contexts[0], anchor)
-        post_s, post_info = time_sizes(
-            lambda b: dspark_proposal(d, out, anchor, b in tree_budgets, b, self.limits.default_kernel, 0.0, None,
-                                      self.limits), sizes, repeats, sync=sync, max_seconds=max_seconds / 2)
-        info = {"pass": pass_info, "proposal": post_info, "pass_seconds": dict(zip(lanes, pass_s, strict=True)),
-                "round": "pass(lanes) + lanes x proposal(size)"}
-        return dict(zip(lanes, pass_s, strict=True)), dict(zip(sizes, post_s, strict=True)), info
 
 
 def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool, budget: int, kernel: str,

@@ -44,8 +44,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
             proposers=[PROPOSERS[p] for p in engine.proposers], default_proposer=PROPOSERS[engine.default_proposer],
             max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
-            max_message_bytes=self.max_message_bytes, propose_costs=[t.to_proto() for t in engine.propose_costs],
-            live_sessions=len(engine.sessions))
+            max_message_bytes=self.max_message_bytes, live_sessions=len(engine.sessions))
         if c is not None:  # a DSpark drafter (prompt lookup alone needs no features)
             info.MergeFrom(draft_pb2.GetDrafterInfoResponse(
                 block_size=c.block_size, target_layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,

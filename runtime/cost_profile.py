@@ -1,4 +1,6 @@
-"""Profilers that make the cost tables (dspark_grpc.speculation.cost_table) of a target and a drafter here."""
+"""The profilers that make the cost tables (dspark_grpc.speculation.cost_table) on this machine: the target's verify
+forwards (`target_cost_tables`) and the drafter's proposals (`drafter_cost_tables`), each one table per lane count,
+cached on disk under its key."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dspark_grpc.speculation.cost_table import (
 from .linear import matmul_kind
 
 if TYPE_CHECKING:
+    from .drafter import BlockOutput, Drafter
     from .transformer import Transformer
 
 log = logging.getLogger("dspark.cost")
@@ -187,21 +190,67 @@ def target_cost_tables(model: Transformer, cache_dir: str | Path | None, lanes: 
 def _monotone_in_lanes(tables: list[CostTable]) -> list[CostTable]:
     out, floor = [], None
     for t in sorted(tables, key=lambda t: t.key.lanes):
-        seconds = list(t.seconds) if floor is None else [max(s, floor.profiled(size))
+        seconds = list(t.seconds) if floor is None else [max(s, floor.predict(size))
                                                           for size, s in zip(t.sizes, t.seconds, strict=True)]
         out.append(CostTable(t.key, t.sizes, seconds, measured=t.measured, info=t.info))
         floor = out[-1]
     return out
 
 
-def profile_drafter(propose: Callable[[int], object], key: CostKey, sizes: Sequence[int] = DEFAULT_SIZES,
-                    repeats: int = 5, sync: Callable[[], None] = lambda: None,
-                    max_seconds: float | None = None) -> CostTable:
-    """Time `propose(budget)` (one proposal of that budget/block size, any proposer, returning once its result
-    is on the host) per size: the median of `repeats` after one warm-up round. The caller sets the session
-    up (context rows appended) and says in `key` what was timed."""
-    if key.kind != "draft":
-        raise ValueError(f"a drafter table needs a key of kind 'draft', got {key.kind!r}")
-    sizes = _check_sizes(sizes)
-    seconds, info = time_sizes(propose, sizes, repeats, sync=sync, max_seconds=max_seconds)
-    return CostTable(key, sizes, seconds, info=info)
+def drafter_cost_tables(drafter: Drafter, cache_dir: str | Path | None, name: str, target_model: str,
+                        sizes: Sequence[int], proposal: Callable[[BlockOutput, int, int], object],
+                        lanes: Sequence[int] = (1, 2, 4), context: int = 128, repeats: int = 3,
+                        max_seconds: float = 2.0) -> list[CostTable]:
+    """One proposal cost table per lane count, loaded from `cache_dir` when an earlier start saved it (None: always
+    profile, save nothing). `name` names the drafter and what else its proposals depend on (key.drafter);
+    `target_model` is its target's fingerprint.
+
+    sizes = proposal budgets; `proposal(out, anchor, size)` builds one session's proposal of that size from a
+    drafter pass's block output. seconds[i] = one round in which `lanes` sessions share a drafter pass and then each
+    builds its proposal of sizes[i]: the pass (timed at each lane count) + lanes x one session's proposal (timed per
+    size). Sessions build theirs in their own threads, so the sum is an upper bound where those overlap. Each table
+    stays monotone in size, and seconds never fall as lanes grow. Profiling runs `repeats` rounds after a warm-up,
+    fewer past `max_seconds`."""
+    lanes = sorted(set(lanes))
+    dtype = str(drafter.dtype).removeprefix("torch.")
+    keys = [draft_key(target_model, name, dtype, drafter.device, context=context, lanes=n, matmul=matmul_kind(drafter))
+            for n in lanes]
+    measured: dict[int, CostTable] = {}
+
+    def profile(key: CostKey) -> CostTable:  # the first table the cache lacks measures them all
+        if not measured:
+            pass_s, post_s, info = _time_drafter(drafter, lanes, sizes, proposal, context, repeats, max_seconds)
+            floor = [0.0] * len(sizes)
+            for k, n in zip(keys, lanes, strict=True):
+                floor = [max(f, pass_s[n] + n * post_s[size]) for f, size in zip(floor, sizes, strict=True)]
+                measured[n] = CostTable(k, sizes, floor, info=info)
+        return measured[key.lanes]
+
+    return [load_or_profile(cache_dir, key, lambda key=key: profile(key)) for key in keys]
+
+
+def _time_drafter(drafter: Drafter, lanes: list[int], sizes: Sequence[int],
+                  proposal: Callable[[BlockOutput, int, int], object], context: int, repeats: int,
+                  max_seconds: float) -> tuple[dict[int, float], dict[int, float], dict]:
+    """Median seconds of a drafter pass by lanes, and of one session's proposal by size, over `context` random
+    context rows per session."""
+    gen = torch.Generator().manual_seed(0)
+    c = drafter.config
+    contexts = []
+    for _ in range(max(lanes)):
+        ctx = drafter.new_context(max_length=context + c.block_size, initial_capacity=context + c.block_size)
+        ctx.append(torch.randn(context, len(c.target_layer_ids), c.target_hidden_size, generator=gen), 0)
+        contexts.append(ctx)
+    anchor = int(torch.randint(c.vocab_size, (1,), generator=gen))
+
+    def sync() -> None:
+        _sync(drafter.device)
+
+    pass_s, pass_info = time_sizes(lambda n: drafter.forward_blocks([(x, anchor) for x in contexts[:n]]), lanes,
+                                   repeats, sync=sync, max_seconds=max_seconds / 2)
+    out = drafter.forward_block(contexts[0], anchor)
+    post_s, post_info = time_sizes(lambda size: proposal(out, anchor, size), sizes, repeats, sync=sync,
+                                   max_seconds=max_seconds / 2)
+    info = {"pass": pass_info, "proposal": post_info, "pass_seconds": dict(zip(lanes, pass_s, strict=True)),
+            "round": "pass(lanes) + lanes x proposal(size)"}
+    return dict(zip(lanes, pass_s, strict=True)), dict(zip(sizes, post_s, strict=True)), info

@@ -1,19 +1,19 @@
-"""Step-cost tables for the scheduler: seconds per forward as a function of its size, profiled at start-up.
+"""The cost model: seconds of one forward as a function of its size, profiled at start-up, corrected online.
 
-A `CostTable` maps a size (target: rows verified in one forward; drafter: the proposal budget) to seconds:
-the median of a few timed repeats per measured size, forced non-decreasing in size by a running max, linearly
-interpolated between measured sizes and extrapolated past the last one. Online, `observe(size, seconds)` keeps a
-per-size EMA of measured/profiled (prior 1, clamped) and `predict` multiplies the profile by it, so a table
-profiled on an idle machine follows the machine it actually runs on.
+A `CostTable` maps a size (target: rows verified per session in one forward; drafter: the proposal budget) to
+seconds for one lane count (sessions in one batched forward): the median of a few timed repeats per measured size,
+forced non-decreasing in size by a running max, linearly interpolated between measured sizes and extrapolated past
+the last one.
 
 Tables are cached on disk (`load_or_profile`) under a hash of their `CostKey`: model fingerprint, drafter,
 dtype, threads, device, kind, context and lanes. A second start with the same key loads the table without
 profiling; any change of key (e.g. another thread count) profiles again.
 
-Lanes (concurrent sessions in one batched forward) are a key field, so each lane count gets its own 1-D table
-(rows per session -> seconds per forward).
+`VerifyCosts` reads the target's tables as published (one per lane count) and interpolates in rows and lanes;
+`Correction` is the online correction the planner applies to it (measured / predicted seconds of the forwards it
+ran in, per shape).
 
-Torch-free: the client's planner holds tables; the profilers live in dspark_grpc.runtime.cost_profile.
+Torch-free: the planners hold these; the profilers live in dspark_grpc.runtime.cost_profile.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import bisect
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,14 +64,8 @@ class CostTable:
     sizes: list[int]  # strictly increasing, >= 1
     seconds: list[float]  # non-decreasing (enforced); seconds[i] is the cost of a forward of sizes[i]
     measured: list[float] | None = None  # the raw medians before the running max (None: same as seconds)
-    alpha: float = 0.2  # EMA weight of a new measured/profiled ratio
-    ratio_bounds: tuple[float, float] = (0.25, 4.0)
-    # size -> (EMA of measured/profiled, observations); the online correction
-    corrections: dict[int, tuple[float, int]] = field(default_factory=dict)
     # how it was made (repeats, warm-up, wall seconds, unix time); informational
     info: dict[str, Any] = field(default_factory=dict, compare=False)
-    _curve: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.sizes = [int(s) for s in self.sizes]
@@ -86,53 +80,10 @@ class CostTable:
         if self.measured is None:
             self.measured = list(seconds)
         self.seconds = _running_max(seconds)
-        self.corrections = {int(k): (float(r), int(n)) for k, (r, n) in self.corrections.items()}
-
-    # -- prediction ---------------------------------------------------------------------------------
-
-    def profiled(self, size: float) -> float:
-        """The profile's seconds at `size`, without the online correction."""
-        return _interpolate(self.sizes, self.seconds, size)
-
-    def ratio(self, size: float) -> float:
-        """The online correction at `size`: the EMA of the nearest observed sizes (interpolated between them),
-        1.0 before any observation."""
-        with self._lock:
-            return self._ratio(size)
-
-    def _ratio(self, size: float) -> float:
-        if not self.corrections:
-            return 1.0
-        observed = sorted(self.corrections)
-        return _interpolate(observed, [self.corrections[s][0] for s in observed], size, extrapolate=False)
 
     def predict(self, size: float) -> float:
-        """Seconds for a forward of `size`: the profile times the correction, still non-decreasing in size."""
-        with self._lock:
-            if not self.corrections:
-                return self.profiled(size)
-            if self._curve is None:
-                points = sorted(set(self.sizes) | set(self.corrections))
-                self._curve = points, _running_max([self.profiled(s) * self._ratio(s) for s in points])
-            return _interpolate(*self._curve, size)
-
-    def observe(self, size: int, seconds: float) -> None:
-        """Fold one measured forward of `size` into the per-size EMA of measured/profiled."""
-        size = int(size)
-        base = self.profiled(size)
-        if size < 1 or not seconds >= 0.0 or base <= 0.0:
-            return
-        lo, hi = self.ratio_bounds
-        r = min(max(seconds / base, lo), hi)
-        with self._lock:
-            ema, n = self.corrections.get(size, (1.0, 0))
-            self.corrections[size] = ((1.0 - self.alpha) * ema + self.alpha * r, n + 1)
-            self._curve = None
-
-    def reset_corrections(self) -> None:
-        with self._lock:
-            self.corrections.clear()
-            self._curve = None
+        """Seconds for a forward of `size`."""
+        return _interpolate(self.sizes, self.seconds, size)
 
     # -- JSON ---------------------------------------------------------------------------------------
 
@@ -143,9 +94,6 @@ class CostTable:
             "sizes": list(self.sizes),
             "seconds": list(self.seconds),
             "measured": list(self.measured or self.seconds),
-            "alpha": self.alpha,
-            "ratio_bounds": list(self.ratio_bounds),
-            "corrections": {str(k): [r, n] for k, (r, n) in sorted(dict(self.corrections).items())},
             "info": dict(self.info),
         }
 
@@ -158,9 +106,6 @@ class CostTable:
             sizes=d["sizes"],
             seconds=d["seconds"],
             measured=d.get("measured"),
-            alpha=float(d.get("alpha", 0.2)),
-            ratio_bounds=tuple(d.get("ratio_bounds", (0.25, 4.0))),
-            corrections={int(k): (v[0], v[1]) for k, v in d.get("corrections", {}).items()},
             info=dict(d.get("info", {})),
         )
 
@@ -197,18 +142,66 @@ def _running_max(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float, extrapolate: bool = True) -> float:
-    """Piecewise-linear through (xs, ys); flat below xs[0]; past xs[-1] the last segment's line (if
-    `extrapolate`, else flat). Non-decreasing ys give a non-decreasing result."""
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys); flat below xs[0]; past xs[-1] the last segment's line (flat for a single
+    point). Non-decreasing ys give a non-decreasing result."""
     if x <= xs[0] or len(xs) == 1:
         return ys[0] if x <= xs[0] else ys[-1]
-    i = bisect.bisect_left(xs, x)
-    if i == len(xs):
-        if not extrapolate:
-            return ys[-1]
-        i -= 1
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+# -- the target's tables as published, and the online correction -------------------------------------------
+
+
+class VerifyCosts:
+    """The target's cost tables (GetModelInfoResponse.verify_costs): seconds of one forward of `lanes` sessions
+    with `rows` rows each, interpolated in rows and lanes."""
+
+    def __init__(self, tables: Sequence[common_pb2.CostTable]) -> None:
+        self.tables = sorted(((t.lanes, list(t.sizes), list(t.seconds)) for t in tables if t.sizes), key=lambda x: x[0])
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def seconds(self, lanes: float, rows: float) -> float:
+        assert self.tables, "no cost tables"
+        lanes_known = [lanes_ for lanes_, _, _ in self.tables]
+        per_lane = [_interpolate(sizes, secs, max(rows, 1.0)) for _, sizes, secs in self.tables]
+        return _interpolate(lanes_known, per_lane, max(lanes, 1.0))
+
+
+@dataclass
+class Correction:
+    """Measured / predicted seconds of the forwards a planner's steps ran in: an EMA over all of them, and one per
+    shape (rows per session, to the nearest power of two; a plain mean over its first forwards, then an EMA). A
+    table profiled while the machine was busy can be wrong by a different factor for 1 row than for 8; a shape not
+    seen yet uses the EMA over all shapes."""
+
+    overall: float = 1.0
+    shapes: dict[int, tuple[float, int]] = field(default_factory=dict)  # rows bucket -> (EMA, forwards seen)
+
+    def factor(self, rows: float) -> float:
+        known = self.shapes.get(_rows_bucket(rows))
+        return known[0] if known is not None else self.overall
+
+    def observe(self, rows: float, predicted: float, measured: float, alpha: float) -> None:
+        """One forward of `rows` rows per session that the table priced at `predicted` seconds took `measured`."""
+        ratio = min(max(measured / predicted, 0.1), 10.0) if predicted > 0 else 1.0
+        self.overall += alpha * (ratio - self.overall)
+        bucket = _rows_bucket(rows)
+        value, seen = self.shapes.get(bucket, (ratio, 0))
+        value += max(1.0 / (seen + 1), alpha) * (ratio - value)
+        self.shapes[bucket] = (value, seen + 1)
+
+    def copy(self) -> Correction:
+        return Correction(self.overall, dict(self.shapes))
+
+
+def _rows_bucket(rows: float) -> int:
+    """1, 2, 4, 8, ...: the power of two nearest to `rows` (in log scale)."""
+    return 1 << max(0, round(math.log2(max(rows, 1.0))))
 
 
 # -- cache ------------------------------------------------------------------------------------------
@@ -242,7 +235,7 @@ def lanes_problem(tables: Sequence[CostTable], noise: float = 0.1) -> str | None
     ordered = sorted(tables, key=lambda t: t.key.lanes)
     for fewer, more in zip(ordered, ordered[1:], strict=False):
         for size in fewer.sizes:
-            a, b = fewer.profiled(size), more.profiled(size)
+            a, b = fewer.predict(size), more.predict(size)
             if b < a * (1.0 - noise):
                 return (f"{more.key.lanes} sessions x {size} rows cost {b * 1e3:.1f} ms but {fewer.key.lanes} "
                         f"x {size} cost {a * 1e3:.1f} ms")
@@ -252,7 +245,7 @@ def lanes_problem(tables: Sequence[CostTable], noise: float = 0.1) -> str | None
 def spot_check_problem(table: CostTable, measured_seconds: float, factor: float = 1.6) -> str | None:
     """Why `table` does not describe this machine now, or None: its smallest forward is more than `factor` off a
     fresh measurement of that forward."""
-    expected = table.profiled(table.sizes[0])
+    expected = table.predict(table.sizes[0])
     if expected <= 0 or measured_seconds <= 0:
         return None
     ratio = measured_seconds / expected

@@ -9,13 +9,12 @@ the batched forwards it takes part in, if every session in them did the same (th
 where relative_cost is the arm's mean of T(L, rows) / T(L, 1) over its steps (a mean of costs, not the cost of the
 mean rows: a CPU step of 1 row is much cheaper than one of 2, so prompt lookup that drafts 8 rows one step in eight
 costs far less than T(2) per step), L is the number of sessions in the target's recent forwards (an EMA of what the
-target reports), T the target's start-up cost table (seconds of one forward of L sessions x r rows each) and k an
-online EMA of measured / predicted forward time, kept per shape (rows per session, in powers of two; a shape not
-seen yet uses the EMA over all shapes): a table profiled while the machine was busy can be wrong by a different
-factor for 1 row than for 8. Pricing every session's rows, not only one's own, is what makes
-speculation back off under load: a session alone would see only its small share of a crowded forward. Without cost
-tables the planner uses each arm's measured step seconds instead. The best arm runs (a drafting arm must beat AR by
-`margin`); an arm not chosen is probed again after `probe_every` steps, the interval doubling while probes lose.
+target reports), T the target's start-up cost table (seconds of one forward of L sessions x r rows each) and k its
+online correction (speculation/cost_table.py `Correction`: measured / predicted forward time, per shape). Pricing
+every session's rows, not only one's own, is what makes speculation back off under load: a session alone would see
+only its small share of a crowded forward. Without cost tables the planner uses each arm's measured step seconds
+instead. The best arm runs (a drafting arm must beat AR by `margin`); an arm not chosen is probed again after
+`probe_every` steps, the interval doubling while probes lose.
 An arm whose drafting costs under `cheap` of an AR step (prompt lookup) is kept while its rate is within
 `cheap_keep` of AR's and probed without back-off: its wins come in bursts and a wasted try costs next to nothing.
 
@@ -32,32 +31,13 @@ wins (e.g. random weights) is recognised by the next request at once.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.speculation.cost_table import _interpolate
+from dspark_grpc.speculation.cost_table import Correction, VerifyCosts
 
 AR = 0  # the AR arm; drafting arms are draft_pb2.Proposer values (> 0)
-
-
-class VerifyCosts:
-    """The target's cost tables (GetModelInfoResponse.verify_costs): seconds of one forward of `lanes` sessions
-    with `rows` rows each, interpolated in rows and lanes."""
-
-    def __init__(self, tables: Sequence[common_pb2.CostTable]) -> None:
-        self.tables = sorted(((t.lanes, list(t.sizes), list(t.seconds)) for t in tables if t.sizes), key=lambda x: x[0])
-
-    def __bool__(self) -> bool:
-        return bool(self.tables)
-
-    def seconds(self, lanes: float, rows: float) -> float:
-        assert self.tables, "no cost tables"
-        lanes_known = [lanes_ for lanes_, _, _ in self.tables]
-        per_lane = [_interpolate(sizes, secs, max(rows, 1.0)) for _, sizes, secs in self.tables]
-        return _interpolate(lanes_known, per_lane, max(lanes, 1.0))
 
 
 @dataclass
@@ -85,8 +65,7 @@ class PlannerMemory:
     arms: dict[int, ArmStats] = field(default_factory=dict)
     calibration: float = 1.0
     calibration_sums: tuple[float, float] = (1.0, 1.0)
-    speed: float = 1.0
-    shape_speed: dict[int, tuple[float, int]] = field(default_factory=dict)
+    correction: Correction = field(default_factory=Correction)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def load(self, planner: StepPlanner) -> None:
@@ -94,16 +73,14 @@ class PlannerMemory:
         with self.lock:
             planner.stats.update({k: ArmStats(**{f: getattr(v, f) for f in ArmStats.__dataclass_fields__})
                                   for k, v in self.arms.items() if k in planner.stats})
-            planner.calibration, planner.speed = self.calibration, self.speed
-            planner.calibration_sums = self.calibration_sums
-            planner.shape_speed = dict(self.shape_speed)
+            planner.calibration, planner.calibration_sums = self.calibration, self.calibration_sums
+            planner.correction = self.correction.copy()
 
     def store(self, planner: StepPlanner) -> None:
         with self.lock:
             self.arms = {k: v for k, v in planner.stats.items() if v.steps}
-            self.calibration, self.speed = planner.calibration, planner.speed
-            self.calibration_sums = planner.calibration_sums
-            self.shape_speed = dict(planner.shape_speed)
+            self.calibration, self.calibration_sums = planner.calibration, planner.calibration_sums
+            self.correction = planner.correction.copy()
 
 
 class StepPlanner:
@@ -121,8 +98,7 @@ class StepPlanner:
         self.interval = {arm: probe_every for arm in self.drafting}
         self.since = {arm: 0 for arm in self.drafting}
         self.lanes = 1.0  # sessions per target forward (EMA)
-        self.speed = 1.0  # measured / predicted forward seconds (EMA over all shapes)
-        self.shape_speed: dict[int, tuple[float, int]] = {}  # rows bucket -> (that ratio's EMA, forwards seen)
+        self.correction = Correction()  # of the cost tables: measured / predicted forward seconds
         self.calibration = 1.0
         self.calibration_sums = (1.0, 1.0)  # EMAs of (accepted, predicted) draft tokens; starts trusting c_k
         if memory is not None:
@@ -140,8 +116,7 @@ class StepPlanner:
         return self.costs.seconds(self.lanes if lanes is None else lanes, rows) * self.speed_for(rows)
 
     def speed_for(self, rows: float) -> float:
-        known = self.shape_speed.get(_rows_bucket(rows))
-        return known[0] if known is not None else self.speed
+        return self.correction.factor(rows)
 
     def rate(self, arm: int) -> float | None:
         """Expected tokens per second of the forward this arm's step joins (None: not measured yet)."""
@@ -225,13 +200,7 @@ class StepPlanner:
             self.lanes += a * (batch_sessions - self.lanes)
         if self.costs is not None and verify_seconds > 0 and batch_sessions > 0:
             per_session = batch_rows / batch_sessions
-            predicted = self.costs.seconds(batch_sessions, per_session)
-            ratio = min(max(verify_seconds / predicted, 0.1), 10.0) if predicted > 0 else 1.0
-            self.speed += a * (ratio - self.speed)
-            bucket = _rows_bucket(per_session)
-            value, seen = self.shape_speed.get(bucket, (ratio, 0))
-            value += max(1.0 / (seen + 1), a) * (ratio - value)  # a plain mean at first, then an EMA
-            self.shape_speed[bucket] = (value, seen + 1)
+            self.correction.observe(per_session, self.costs.seconds(batch_sessions, per_session), verify_seconds, a)
         if predicted_accepted is not None:
             acc, pred = self.calibration_sums
             acc += a * (accepted - acc)
@@ -249,11 +218,6 @@ class StepPlanner:
     def finish(self) -> None:
         if self.memory is not None:
             self.memory.store(self)
-
-
-def _rows_bucket(rows: float) -> int:
-    """1, 2, 4, 8, ...: the power of two nearest to `rows` (in log scale)."""
-    return 1 << max(0, round(math.log2(max(rows, 1.0))))
 
 
 def _name(arm: int) -> str:

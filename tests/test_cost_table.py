@@ -1,13 +1,21 @@
-"""Cost tables: monotone by construction, interpolation/extrapolation, EMA correction, JSON, the disk cache,
-and the target/drafter profilers on a tiny random model."""
+"""The cost model: tables monotone by construction, interpolation/extrapolation, the planner's online correction,
+JSON, the disk cache, and the target profiler on a tiny random model (the drafter's: tests/service/
+test_draft_batching.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from dspark_grpc.runtime.cost_profile import profile_drafter, profile_target, target_cost_tables, target_key
-from dspark_grpc.speculation.cost_table import CostKey, CostTable, lanes_problem, load_or_profile, spot_check_problem
+from dspark_grpc.runtime.cost_profile import profile_target, target_cost_tables, target_key, time_sizes
+from dspark_grpc.speculation.cost_table import (
+    Correction,
+    CostKey,
+    CostTable,
+    lanes_problem,
+    load_or_profile,
+    spot_check_problem,
+)
 
 KEY = CostKey(kind="verify", model="m" * 64, dtype="float32", threads=2, device="cpu test", context=128)
 
@@ -41,37 +49,36 @@ def test_interpolation_and_extrapolation():
     assert single.predict(1) == single.predict(64) == 0.25
 
 
-def test_ema_correction():
-    t = CostTable(KEY, [1, 4, 16], [1.0, 2.0, 4.0], alpha=0.5)
-    t.observe(4, 4.0)  # measured twice the profile: ratio 2, EMA from the prior 1 -> 1.5
-    assert t.ratio(4) == pytest.approx(1.5)
-    assert t.predict(4) == pytest.approx(3.0)
-    assert t.profiled(4) == 2.0
-    t.observe(4, 4.0)
-    assert t.ratio(4) == pytest.approx(1.75)
-    # one observed size corrects every size (nearest observation), and predictions stay monotone
-    assert t.predict(1) == pytest.approx(1.75) and t.predict(16) == pytest.approx(7.0)
-    t.observe(16, 2.0)  # half the profile at 16: ratio 0.5 -> EMA 0.75
-    assert t.ratio(16) == pytest.approx(0.75)
-    assert t.ratio(10) == pytest.approx((1.75 + 0.75) / 2)  # interpolated between observed sizes
-    assert _nondecreasing([t.predict(s) for s in range(1, 40)])
-    t.observe(1, 1000.0)  # clamped to 4x
-    assert t.ratio(1) == pytest.approx(0.5 + 0.5 * 4.0)
-    t.reset_corrections()
-    assert t.predict(4) == 2.0
+def test_correction_is_kept_per_shape_and_over_all_shapes():
+    c = Correction()
+    assert c.factor(1) == c.factor(8) == 1.0  # nothing seen: trust the table
+    c.observe(8, predicted=1.0, measured=2.0, alpha=0.5)
+    assert c.factor(8) == 2.0  # a shape's first forward: its own ratio, not an EMA from 1
+    assert c.factor(6) == c.factor(11) == 2.0 and c.factor(12) == 1.5  # nearest power of two, in log scale
+    assert c.overall == pytest.approx(1.5) and c.factor(1) == pytest.approx(1.5)  # unseen shapes: over all shapes
+    c.observe(8, predicted=1.0, measured=1.0, alpha=0.1)
+    assert c.factor(8) == pytest.approx(1.5)  # a plain mean of the first forwards, then an EMA
+    c.observe(1, predicted=1.0, measured=1000.0, alpha=0.5)
+    assert c.factor(1) == 10.0  # clamped to 10x
+    c.observe(2, predicted=0.0, measured=1.0, alpha=0.5)
+    assert c.factor(2) == 1.0  # a table that says free: no ratio
+    copy = c.copy()
+    copy.observe(8, predicted=1.0, measured=1.0, alpha=0.5)
+    assert c.factor(8) == pytest.approx(1.5) and copy.factor(8) != c.factor(8)
 
 
 def test_json_round_trip(tmp_path):
     t = CostTable(KEY, [1, 2, 4], [1e-3, 0.9e-3, 2e-3], info={"repeats": 5})
-    t.observe(2, 1.5e-3)
     path = tmp_path / "t.json"
     t.save(path)
     back = CostTable.load(path)
     assert back == t
     assert back.predict(3) == t.predict(3)
     assert back.measured == [1e-3, 0.9e-3, 2e-3] and back.seconds == [1e-3, 1e-3, 2e-3]
-    assert back.corrections == t.corrections and back.corrections[2][1] == 1
     assert json.loads(path.read_text())["key"]["threads"] == 2 and back.info == {"repeats": 5}
+    # a table cached by an earlier version, with its online correction, still loads
+    old = {**t.to_dict(), "alpha": 0.2, "ratio_bounds": [0.25, 4.0], "corrections": {"2": [1.5, 3]}}
+    assert CostTable.from_dict(old) == t
 
 
 def test_cache_reloads_on_second_start_and_reprofiles_on_another_key(tmp_path):
@@ -136,18 +143,16 @@ def test_profile_target_on_a_tiny_model(tiny_model, tmp_path):
     assert len(calls) == 1 and loaded[0] == loaded[1]
 
 
-def test_profile_drafter_times_any_proposer():
-    budgets = []
-    key = CostKey(kind="draft", model="m", drafter="ngram", device="cpu")
-    table = profile_drafter(budgets.append, key, sizes=(4, 1, 2), repeats=3)
-    assert table.sizes == [1, 2, 4] and table.key == key
-    assert budgets == [1, 2, 4] * 4  # one warm-up round, then three timed rounds
-    assert table.info["repeats"] == 3 and table.info["warmup"] == 1
-    budgets.clear()
-    quick = profile_drafter(budgets.append, key, sizes=(1, 2), repeats=5, max_seconds=0.0)
-    assert budgets == [1, 2] * 2 and quick.info["repeats"] == 1  # out of time: warm-up and one timed round
-    with pytest.raises(ValueError, match="draft"):
-        profile_drafter(budgets.append, KEY)
+def test_time_sizes_interleaves_sizes_after_a_warmup_round():
+    sizes = []
+    seconds, info = time_sizes(sizes.append, [1, 2, 4], repeats=3)
+    assert len(seconds) == 3 and sizes == [1, 2, 4] * 4  # one warm-up round, then three timed rounds
+    assert info["repeats"] == 3 and info["warmup"] == 1
+    sizes.clear()
+    _, quick = time_sizes(sizes.append, [1, 2], repeats=5, max_seconds=0.0)
+    assert sizes == [1, 2] * 2 and quick["repeats"] == 1  # out of time: warm-up and one timed round
+    with pytest.raises(ValueError, match="repeats"):
+        time_sizes(sizes.append, [1], repeats=0)
 
 
 def _lane_tables(per_lane: dict[int, list[float]], sizes=(1, 2)) -> list[CostTable]:

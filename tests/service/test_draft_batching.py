@@ -15,11 +15,12 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from dspark_grpc.draft_service import engine as engine_module
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime import cost_profile
 from dspark_grpc.runtime.drafter_formats import init_random_drafter
 from dspark_grpc.runtime.tensor_codec import to_proto
+from dspark_grpc.speculation.cost_table import CostTable
 
 from tests.drafter.helpers import random_features
 from tests.drafter.test_drafter_forward import TARGET
@@ -177,8 +178,8 @@ def test_cost_tables_are_profiled_once_then_loaded(tmp_path, monkeypatch):
         calls.append(list(args[1]))
         return real(*args, **kwargs)
 
-    real = engine_module.time_sizes
-    monkeypatch.setattr(engine_module, "time_sizes", counting_time_sizes)
+    real = cost_profile.time_sizes
+    monkeypatch.setattr(cost_profile, "time_sizes", counting_time_sizes)
     first = tiny_engine(max_tree_budget=16).profile_costs(tmp_path, repeats=1, max_seconds=0.5)
     assert calls == [[1, 2, 4], [4, 5, 8, 16]]  # drafter passes by lanes, then proposals by budget
     files = sorted(tmp_path.iterdir())
@@ -289,14 +290,14 @@ def grpc_session(address: str, info, n: int, seed: int):
     return s, sid
 
 
-def test_service_publishes_cost_tables_and_batches_sessions_without_cross_talk(metered_drafter):
+def test_service_profiles_cost_tables_and_batches_sessions_without_cross_talk(metered_drafter):
     address, _, cache = metered_drafter
     with grpc.insecure_channel(address) as channel:
         info = draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=60)
-    assert [t.lanes for t in info.propose_costs] == [1, 2, 4]
-    for t in info.propose_costs:
-        assert info.block_size in t.sizes and list(t.sizes) == sorted(set(t.sizes)) and _nondecreasing(t.seconds)
-    assert len(list(cache.iterdir())) == 3  # saved in the cache dir it was given
+    tables = sorted((CostTable.load(f) for f in cache.iterdir()), key=lambda t: t.key.lanes)
+    assert [t.key.lanes for t in tables] == [1, 2, 4]  # profiled at start-up, saved in the cache dir it was given
+    for t in tables:
+        assert info.block_size in t.sizes and _nondecreasing(t.seconds)
 
     sessions = [grpc_session(address, info, n, seed) for seed, n in enumerate((5, 23, 12))]
     kinds = [draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE, draft_pb2.PROPOSAL_KIND_CHAIN]
