@@ -182,7 +182,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             values = chain_confidences(proposal.tree, proposal.confidences)
             if values is not None:
                 adaptive = job.drafting.options.mode == common_pb2.DECODE_MODE_ADAPTIVE
-                chains.append((reply, values, 0 if adaptive else 1))
+                chains.append((reply, values, 0 if adaptive else 1))  # adaptive may cut a session to AR
         if chains:
             costs = VerifyCosts([t.to_proto() for t in engine.cost_tables])
             depths = plan_depths([v for _, v, _ in chains], [m for _, _, m in chains], self.round_calibration.value,
