@@ -14,24 +14,8 @@ def compute_bound(lanes: int, rows_per_lane: float) -> float:
     return 0.030 + 0.020 * lanes * rows_per_lane
 
 
-def brute_force(confidences, min_depths, calibration, seconds):
-    """Every combination of depths: the best expected goodput (the independent reference)."""
-    best_rate = -1.0
-    ranges = [range(m, len(c) + 1) for c, m in zip(confidences, min_depths, strict=True)]
-    n = len(confidences)
-    for depths in itertools.product(*ranges):
-        expected = n
-        for c, m in zip(confidences, depths, strict=True):
-            p = 1.0
-            for x in c[:m]:
-                p *= x
-                expected += min(1.0, calibration * p)
-        rate = expected / seconds(n, (n + sum(depths)) / n)
-        best_rate = max(best_rate, rate)
-    return best_rate
-
-
 def rate_of(depths, confidences, calibration, seconds):
+    """The expected goodput of verifying depths[i] tokens of chain i, from the definition."""
     n = len(confidences)
     expected = n
     for c, m in zip(confidences, depths, strict=True):
@@ -40,6 +24,12 @@ def rate_of(depths, confidences, calibration, seconds):
             p *= x
             expected += min(1.0, calibration * p)
     return expected / seconds(n, (n + sum(depths)) / n)
+
+
+def brute_force(confidences, min_depths, calibration, seconds):
+    """The best goodput over every combination of depths (the independent reference)."""
+    ranges = [range(m, len(c) + 1) for c, m in zip(confidences, min_depths, strict=True)]
+    return max(rate_of(depths, confidences, calibration, seconds) for depths in itertools.product(*ranges))
 
 
 def test_the_round_decision_flips_from_speculation_to_ar_as_sessions_grow():
