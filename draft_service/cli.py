@@ -13,6 +13,7 @@ import torch
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
@@ -43,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tree-budget", type=int, default=64)
     s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix prompt lookup matches")
     s.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
-    s.add_argument("--kernel", choices=("auto", "fused", "torch"), default="auto",
+    s.add_argument("--kernel", choices=KERNELS, default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
     s.add_argument("--metrics-port", type=int, default=None,

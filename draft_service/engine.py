@@ -35,8 +35,7 @@ from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.runtime.markov import draft_chain
-from dspark_grpc.runtime.markov_triton import triton_runnable
+from dspark_grpc.runtime.markov import check_kernel, choose_kernel, draft_chain
 from dspark_grpc.runtime.ngram import (
     SOURCE_BASE,
     SOURCE_BOTH,
@@ -56,7 +55,6 @@ from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
 ROUND_WAIT_S = 2.0
-KERNELS = ("auto", "fused", "torch")
 PROPOSERS = ("dspark", "ngram", "hybrid")
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
 EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
@@ -306,8 +304,7 @@ class DraftEngine:
         if s.length == 0:
             raise FailedPrecondition("the context is empty: append the prompt's rows first")
         kernel = kernel or self.limits.default_kernel
-        if kernel not in KERNELS:
-            raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        check_kernel(kernel)
         if tree or proposer != "dspark":
             limit, default = self.limits.max_tree_budget, self.limits.default_tree_budget if tree else \
                 self.limits.ngram_chain
@@ -343,12 +340,7 @@ class DraftEngine:
     def _dspark(self, s: DraftSession, anchor_token: int, tree: bool, budget: int, kernel: str, temperature: float,
                 generator: torch.Generator | None) -> ProposalResult:
         d = self.drafter
-        if kernel == "fused" and (d.markov is not None and d.markov.kind != "vanilla" or temperature > 0):
-            raise InvalidArgument("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
-                                  "kernel (or auto)")
-        if kernel == "fused" and not triton_runnable(d.device):
-            raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
-                                     "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
+        kernel = choose_kernel(kernel, None if d.markov is None else d.markov.kind, temperature, d.device)
         assert self._passes is not None and s.context is not None
         result, info = self._passes.submit((s.context, anchor_token), then=lambda out: dspark_proposal(
             d, out, anchor_token, tree, budget, kernel, temperature, generator, self.limits))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .acceptance import draft_sparse_distribution
+from .errors import FailedPrecondition, InvalidArgument
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 KERNELS = ("auto", "fused", "torch")
@@ -44,33 +45,6 @@ class MarkovHead(nn.Module):
     def draft_vocab(self) -> int:
         return self.w2.weight.shape[0]
 
-    def init_state(self) -> Tensor | None:
-        return torch.zeros(self.rank, device=self.w1.weight.device) if self.kind == "rnn" else None
-
-    def step_vector(self, prev_token: int, hidden_row: Tensor | None = None,
-                    state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """One step in fp32 -> (e = W1[prev] [r], v [r] with bias = W2 · v, new state)."""
-        if not 0 <= prev_token < self.target_vocab:
-            raise ValueError(f"previous token {prev_token} outside the target vocabulary [0, {self.target_vocab})")
-        e = self.w1.weight[prev_token].float()
-        if self.kind == "vanilla":
-            return e, e, state
-        assert hidden_row is not None and hidden_row.shape == (self.hidden_size,), "gated/rnn heads need h_k [H]"
-        h = hidden_row.float()
-        if self.kind == "gated":
-            g = torch.sigmoid(_linear(self.gate_proj, torch.cat([h, e])))
-            return e, g * e, state
-        s = torch.zeros_like(e) if state is None else state.float()
-        g, c, o = _linear(self.joint_proj, torch.cat([s, e, h])).split(self.rank)
-        g = torch.sigmoid(g)
-        return e, torch.tanh(o), g * s + (1 - g) * torch.tanh(c)
-
-    def bias(self, prev_token: int, hidden_row: Tensor | None = None,
-             state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """-> (bias [draft_vocab] fp32, new state). Vanilla ignores hidden_row and state."""
-        _, v, state = self.step_vector(prev_token, hidden_row, state)
-        return self.project(v, prev_token), state
-
     def cache_biases(self, capacity: int) -> MarkovHead:
         """Serving: keep W2 · W1[prev] of the last `capacity` previous tokens (fp32 rows of draft_vocab).
 
@@ -84,22 +58,55 @@ class MarkovHead(nn.Module):
         self._biases, self._biases_capacity, self._biases_lock = OrderedDict(), capacity, threading.Lock()
         return self
 
-    def project(self, v: Tensor, prev_token: int) -> Tensor:
-        """W2 · v [draft_vocab] fp32, where v came from step_vector(prev_token) (the cache's key, see
+    def project(self, v: Tensor, prev: Tensor) -> Tensor:
+        """W2 · v [A, V_d] fp32 for v [A, r] from markov_step(prev [A]) (prev is the cache's key, see
         cache_biases)."""
         if self._biases is None:
-            return self.w2.weight.float() @ v
+            return F.linear(v, self.w2.weight.float())
+        rows = [self._cached_bias(v, i, token) for i, token in enumerate(prev.tolist())]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _cached_bias(self, v: Tensor, i: int, token: int) -> Tensor:
         with self._biases_lock:
-            row = self._biases.get(prev_token)
+            row = self._biases.get(token)
             if row is not None:
-                self._biases.move_to_end(prev_token)
+                self._biases.move_to_end(token)
                 return row
-        row = self.w2.weight.float() @ v
+        row = F.linear(v[i : i + 1], self.w2.weight.float())  # [1, V_d]
         with self._biases_lock:
-            self._biases[prev_token] = row
+            self._biases[token] = row
             if len(self._biases) > self._biases_capacity:
                 self._biases.popitem(last=False)
         return row
+
+
+def markov_step(markov: MarkovHead | None, base_logits: Tensor, prev: Tensor, hidden: Tensor | None = None,
+                state: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One chain step for A rows at once, fp32 and differentiable: U_k [A, V_d], x_{k-1} [A] (target ids; the
+    anchor at k = 0), h_k [A, H] after the final norm (read by gated/rnn heads), the rnn state s_k [A, r] (None:
+    s_0 = 0) -> (Z_k = U_k + W2 · v [A, V_d], e = W1[x_{k-1}] [A, r], s_{k+1}); without a head Z_k = U_k.
+
+    vanilla v = e; gated v = sigmoid(G [h ; e] + b) * e; rnn [g, c, o] = J [s ; e ; h] + b, v = tanh(o),
+    s' = sigmoid(g) * s + (1 - sigmoid(g)) * tanh(c)."""
+    assert base_logits.dim() == 2 and prev.shape == base_logits.shape[:1], (base_logits.shape, prev.shape)
+    if markov is None:
+        return base_logits.float(), None, None
+    A = prev.shape[0]
+    assert base_logits.shape[1] == markov.draft_vocab, f"markov head drafts {markov.draft_vocab} tokens"
+    e = markov.w1.weight[prev].float()
+    v = e
+    if markov.kind != "vanilla":
+        assert hidden is not None and hidden.shape == (A, markov.hidden_size), "gated/rnn heads read h_k [A, H]"
+        h = hidden.float()
+        if markov.kind == "gated":
+            v = torch.sigmoid(_linear(markov.gate_proj, torch.cat([h, e], dim=-1))) * e
+        else:
+            s = torch.zeros_like(e) if state is None else state.float()
+            assert s.shape == e.shape, f"rnn state must be [A, r], got {tuple(s.shape)}"
+            g, c, o = _linear(markov.joint_proj, torch.cat([s, e, h], dim=-1)).split(markov.rank, dim=-1)
+            g = torch.sigmoid(g)
+            v, state = torch.tanh(o), g * s + (1 - g) * torch.tanh(c)
+    return base_logits.float() + markov.project(v, prev), e, state
 
 
 class ConfidenceHead(nn.Module):
@@ -171,7 +178,8 @@ def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
     return F.linear(x, layer.weight.float(), bias)
 
 
-def _check_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d2t: Tensor | None) -> None:
+def check_chain_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d2t: Tensor | None,
+                       confidence: ConfidenceHead | None = None) -> None:
     assert base_logits.dim() == 2, f"base_logits must be [K, V_d], got {tuple(base_logits.shape)}"
     vocab = base_logits.shape[1]
     if markov is not None:
@@ -180,6 +188,8 @@ def _check_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | None, d
             raise ValueError(f"anchor {anchor} outside the target vocabulary [0, {markov.target_vocab})")
     if d2t is not None:
         assert d2t.shape == (vocab,), f"d2t must be [V_d={vocab}], got {tuple(d2t.shape)}"
+    if confidence is not None and confidence.with_markov and markov is None:
+        raise ValueError("the confidence head takes W1[prev_k] but the drafter has no Markov head")
 
 
 def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidden_post: Tensor | None = None,
@@ -187,17 +197,16 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
               generator: torch.Generator | None = None, sample_top_k: int = 0) -> ChainSteps:
     """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0. With sample_top_k > 0 a
     sampled token is drawn from the top-k truncated softmax(Z_k / T), and that distribution is returned."""
-    _check_inputs(base_logits, anchor, markov, d2t)
+    check_chain_inputs(base_logits, anchor, markov, d2t)
     n = base_logits.shape[0]
-    state = None if markov is None else markov.init_state()
-    prev, draft_tokens, tokens, logprobs, embeddings, logits = anchor, [], [], [], [], []
+    prev, state, draft_tokens, tokens, logprobs, embeddings, logits = anchor, None, [], [], [], [], []
     sparse_ids, sparse_lps = [], []
     for k in range(n):
-        z = base_logits[k].float()
-        if markov is not None:
-            e, v, state = markov.step_vector(prev, None if hidden_post is None else hidden_post[k], state)
-            z = z + markov.project(v, prev)
-            embeddings.append(e)
+        hidden = None if hidden_post is None else hidden_post[k : k + 1]
+        prev_t = torch.tensor([prev], device=base_logits.device)
+        z, e, state = markov_step(markov, base_logits[k : k + 1], prev_t, hidden, state)
+        z = z[0]
+        embeddings.append(e)
         if temperature > 0 and sample_top_k > 0:
             ids, lps = draft_sparse_distribution(z[None], temperature, sample_top_k)
             slot = int(torch.multinomial(lps[0].exp(), 1, generator=generator))
@@ -216,7 +225,7 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
         tokens.append(prev)
         logprobs.append(logp[x])
         logits.append(z)
-    emb = None if markov is None else torch.stack(embeddings) if embeddings else torch.zeros(0, markov.rank)
+    emb = None if markov is None else torch.cat(embeddings) if embeddings else torch.zeros(0, markov.rank)
     lp = torch.stack(logprobs) if logprobs else torch.zeros(0)
     z_all = torch.stack(logits) if logits else base_logits.float()
     if sparse_ids:
@@ -224,18 +233,30 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
     return ChainSteps(draft_tokens, tokens, lp, emb, z_all)
 
 
-def choose_kernel(kernel: str, markov: MarkovHead | None, temperature: float, device: torch.device | str) -> str:
-    """'auto' -> 'fused' on a CUDA device when Triton is there, the head is vanilla (or absent) and decoding is
-    greedy; otherwise 'torch'. The CPU interpreter (TRITON_INTERPRET=1) is for tests: ask for 'fused' to use it."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel != "auto":
-        return kernel
+def check_kernel(name: str) -> None:
+    if name not in KERNELS:
+        raise InvalidArgument(f"kernel must be one of {KERNELS}, got {name!r}")
+
+
+def choose_kernel(requested: str, markov_kind: str | None, temperature: float, device: torch.device | str) -> str:
+    """-> 'fused' (the Triton chain) or 'torch'. 'auto' fuses on a CUDA device when Triton is there, the head is
+    vanilla (or absent) and decoding is greedy; the CPU interpreter (TRITON_INTERPRET=1) is for tests and runs when
+    'fused' is asked for by name. A 'fused' request that cannot run is refused."""
+    check_kernel(requested)
+    if requested == "torch":
+        return "torch"
     from .markov_triton import triton_runnable
 
-    fusable = (markov is None or markov.kind == "vanilla") and temperature == 0
-    on_gpu = torch.device(device).type == "cuda"
-    return "fused" if fusable and on_gpu and triton_runnable(device) else "torch"
+    fusable = markov_kind in (None, "vanilla") and temperature == 0
+    if requested == "auto":
+        return "fused" if fusable and torch.device(device).type == "cuda" and triton_runnable(device) else "torch"
+    if not fusable:
+        raise InvalidArgument("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
+                              "kernel (or auto)")
+    if not triton_runnable(device):
+        raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
+                                 "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
+    return "fused"
 
 
 def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
@@ -251,13 +272,10 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
     assert hidden_pre.shape[0] == base_logits.shape[0], "one hidden row per drafted slot"
     if not (temperature >= 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    if confidence is not None and confidence.with_markov and markov is None:
-        raise ValueError("the confidence head takes W1[prev_k] but the drafter has no Markov head")
-    if choose_kernel(kernel, markov, temperature, base_logits.device) == "fused":
+    check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
+    if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == "fused":
         from .markov_triton import markov_chain_fused
 
-        if temperature != 0:
-            raise ValueError("the fused Markov kernel is greedy only; use kernel='torch' for temperature > 0")
         return markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t)
     steps = run_chain(base_logits, anchor, markov, hidden_post, d2t, temperature, generator, sample_top_k)
     conf = None

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .markov import Chain, ConfidenceHead, MarkovHead
+from .markov import Chain, ConfidenceHead, MarkovHead, check_chain_inputs, choose_kernel
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch path still works; kernel="fused" says why it cannot run
+except ImportError:  # the torch path still works; choose_kernel refuses kernel="fused"
     triton = tl = None
 
 
@@ -100,29 +100,16 @@ def markov_chain_fused(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Ten
                        block_v: int | None = None, num_warps: int = 8) -> Chain:
     """The greedy chain of `markov.draft_chain` in one kernel launch; same tokens as the torch path."""
     device = base_logits.device
-    if not triton_runnable(device):
-        why = "triton is not installed" if triton is None else \
-            f"no CUDA device for {device} tensors, and TRITON_INTERPRET=1 was not set before triton was imported"
-        raise RuntimeError(f"the fused Markov kernel cannot run: {why}; use kernel='torch' or 'auto'")
-    if markov is not None and markov.kind != "vanilla":
-        raise ValueError(f"the fused Markov kernel supports the vanilla head only, not {markov.kind!r}; "
-                         "use kernel='torch' or 'auto'")
-    if confidence is not None and confidence.with_markov and markov is None:
-        raise ValueError("the confidence head takes W1[prev_k] but the drafter has no Markov head")
-    assert base_logits.dim() == 2, f"base_logits must be [K, V_d], got {tuple(base_logits.shape)}"
+    choose_kernel("fused", None if markov is None else markov.kind, 0.0, device)  # refuses what cannot run
+    check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
     n, vocab = base_logits.shape
     assert hidden_pre.shape[0] == n and hidden_post.shape == hidden_pre.shape
     u = base_logits.contiguous()
     rank = 0
     w1 = w2 = u
     if markov is not None:
-        assert markov.draft_vocab == vocab, f"markov head drafts {markov.draft_vocab} tokens, logits have {vocab}"
-        if not 0 <= anchor < markov.target_vocab:
-            raise ValueError(f"anchor {anchor} outside the target vocabulary [0, {markov.target_vocab})")
         rank = markov.rank
         w1, w2 = markov.w1.weight.detach().contiguous(), markov.w2.weight.detach().contiguous()
-    if d2t is not None:
-        assert d2t.shape == (vocab,), f"d2t must be [V_d={vocab}], got {tuple(d2t.shape)}"
     d2t_t = u if d2t is None else d2t.to(device=device, dtype=torch.int64).contiguous()
     anchor_t = torch.tensor([anchor], dtype=torch.int64, device=device)
     h = cw = cb = temps = u

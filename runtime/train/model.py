@@ -22,7 +22,7 @@ from torch import Tensor
 from ..drafter import Drafter, _BlockKV, sliding_mask
 from ..drafter_config import default_target_layer_ids
 from ..drafter_formats import init_random_drafter
-from ..markov import MarkovHead
+from ..markov import markov_step
 from ..transformer import Transformer
 from .data import TargetSequence
 from .vocab import DraftVocab
@@ -155,33 +155,17 @@ def forward_blocks(drafter: Drafter, batch: AnchorBatch) -> BlockRows:
     return BlockRows(rows, post, drafter.lm_head(post).float())
 
 
-def markov_step(markov: MarkovHead, prev: Tensor, hidden: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor,
-                                                                                                 Tensor | None]:
-    """MarkovHead.step_vector for a batch: prev [A] target ids, hidden [A, H] post-norm -> (e, v, state) [A, r]."""
-    e = markov.w1(prev).float()
-    if markov.kind == "vanilla":
-        return e, e, state
-    h = hidden.float()
-    if markov.kind == "gated":
-        return e, torch.sigmoid(markov.gate_proj(torch.cat([h, e], dim=-1))) * e, state
-    s = torch.zeros_like(e) if state is None else state
-    g, c, o = markov.joint_proj(torch.cat([s, e, h], dim=-1)).split(markov.rank, dim=-1)
-    g = torch.sigmoid(g)
-    return e, torch.tanh(o), g * s + (1 - g) * torch.tanh(c)
-
-
 def corrected_logits(drafter: Drafter, rows: BlockRows, prev_tokens: Tensor) -> tuple[Tensor, Tensor | None]:
     """Teacher-forced Z = U + W2 v(prev) [A, K, V_d] and the Markov embeddings W1[prev] [A, K, r] (None without)."""
-    markov = drafter.markov
-    if markov is None:
+    if drafter.markov is None:
         return rows.base_logits, None
-    state, embeddings, vectors = None, [], []
+    state, logits, embeddings = None, [], []
     for k in range(prev_tokens.shape[1]):
-        e, v, state = markov_step(markov, prev_tokens[:, k], rows.hidden_post[:, k], state)
+        z, e, state = markov_step(drafter.markov, rows.base_logits[:, k], prev_tokens[:, k], rows.hidden_post[:, k],
+                                  state)
+        logits.append(z)
         embeddings.append(e)
-        vectors.append(v)
-    bias = markov.w2(torch.stack(vectors, dim=1)).float()
-    return rows.base_logits + bias, torch.stack(embeddings, dim=1)
+    return torch.stack(logits, dim=1), torch.stack(embeddings, dim=1)
 
 
 def confidence_logits(drafter: Drafter, rows: BlockRows, embeddings: Tensor | None) -> Tensor | None:
@@ -199,19 +183,15 @@ def confidence_logits(drafter: Drafter, rows: BlockRows, embeddings: Tensor | No
 def greedy_chains(drafter: Drafter, rows: BlockRows, anchors: Tensor) -> tuple[Tensor, Tensor | None]:
     """The greedy DSpark chain of every block, as runtime.markov.run_chain drafts it (ties -> lowest draft id):
     (drafted target ids [A, K], raw confidence logits [A, K] or None)."""
-    markov, d2t = drafter.markov, drafter.d2t
-    A, K, _ = rows.base_logits.shape
+    d2t = drafter.d2t
     prev, state, tokens, embeddings = anchors, None, [], []
-    for k in range(K):
-        z = rows.base_logits[:, k].float()
-        if markov is not None:
-            e, v, state = markov_step(markov, prev, rows.hidden_post[:, k], state)
-            z = z + v @ markov.w2.weight.float().T
-            embeddings.append(e)
+    for k in range(rows.base_logits.shape[1]):
+        z, e, state = markov_step(drafter.markov, rows.base_logits[:, k], prev, rows.hidden_post[:, k], state)
         x = z.argmax(dim=-1)
         prev = x if d2t is None else x + d2t[x]
         tokens.append(prev)
-    emb = torch.stack(embeddings, dim=1) if embeddings else None
+        embeddings.append(e)
+    emb = None if drafter.markov is None else torch.stack(embeddings, dim=1)
     return torch.stack(tokens, dim=1), confidence_logits(drafter, rows, emb)
 
 

@@ -21,6 +21,29 @@ def _rows(t: torch.Tensor) -> list:
     return t.detach().double().tolist()
 
 
+def reference_step(markov: MarkovHead, prev: int, hidden_post: list[float], state: list[float]
+                   ) -> tuple[list[float], list[float], list[float]]:
+    """One Markov step in float64 from the formulas: (e = W1[prev], v with bias = W2 · v, new rnn state)."""
+    r = markov.rank
+    e = _rows(markov.w1.weight[prev])
+    if markov.kind == "vanilla":
+        return e, e, state
+    if markov.kind == "gated":
+        w, b = _rows(markov.gate_proj.weight), _rows(markov.gate_proj.bias)
+        x = hidden_post + e
+        return e, [_sigmoid(_dot(w[i], x) + b[i]) * e[i] for i in range(r)], state
+    w, b = _rows(markov.joint_proj.weight), _rows(markov.joint_proj.bias)
+    x = state + e + hidden_post
+    y = [_dot(w[i], x) + b[i] for i in range(3 * r)]
+    g = [_sigmoid(y[i]) for i in range(r)]
+    v = [math.tanh(y[2 * r + i]) for i in range(r)]
+    return e, v, [g[i] * state[i] + (1 - g[i]) * math.tanh(y[r + i]) for i in range(r)]
+
+
+def reference_bias(markov: MarkovHead, v: list[float]) -> list[float]:
+    return [_dot(row, v) for row in _rows(markov.w2.weight)]
+
+
 def reference_chain(base_logits: torch.Tensor, hidden_pre: torch.Tensor, hidden_post: torch.Tensor, anchor: int,
                     markov: MarkovHead | None, confidence: ConfidenceHead | None,
                     d2t: torch.Tensor | None = None) -> Chain:
@@ -28,29 +51,14 @@ def reference_chain(base_logits: torch.Tensor, hidden_pre: torch.Tensor, hidden_
     u, h_post = _rows(base_logits), _rows(hidden_post)
     h_conf = _rows(confidence.select_hidden(hidden_pre, hidden_post)) if confidence is not None else None
     vocab = len(u[0])
-    r = markov.rank if markov is not None else 0
-    state = [0.0] * r
+    state = [0.0] * (markov.rank if markov is not None else 0)
     prev, tokens, logprobs, confs = anchor, [], [], []
     for k in range(len(u)):
         z = list(u[k])
         e: list[float] = []
         if markov is not None:
-            e = _rows(markov.w1.weight[prev])
-            if markov.kind == "vanilla":
-                v = e
-            elif markov.kind == "gated":
-                w, b = _rows(markov.gate_proj.weight), _rows(markov.gate_proj.bias)
-                x = h_post[k] + e
-                v = [_sigmoid(_dot(w[i], x) + b[i]) * e[i] for i in range(r)]
-            else:
-                w, b = _rows(markov.joint_proj.weight), _rows(markov.joint_proj.bias)
-                x = state + e + h_post[k]
-                y = [_dot(w[i], x) + b[i] for i in range(3 * r)]
-                g = [_sigmoid(y[i]) for i in range(r)]
-                v = [math.tanh(y[2 * r + i]) for i in range(r)]
-                state = [g[i] * state[i] + (1 - g[i]) * math.tanh(y[r + i]) for i in range(r)]
-            w2 = _rows(markov.w2.weight)
-            z = [z[j] + _dot(w2[j], v) for j in range(vocab)]
+            e, v, state = reference_step(markov, prev, h_post[k], state)
+            z = [zj + bj for zj, bj in zip(z, reference_bias(markov, v), strict=True)]
         best = 0
         for j in range(1, vocab):
             if z[j] > z[best]:

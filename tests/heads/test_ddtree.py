@@ -8,7 +8,7 @@ from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree, depth_logprobs
 from dspark_grpc.runtime.markov import MarkovHead, run_chain
 from dspark_grpc.runtime.tree import path_to_root, validate_tree
 
-from .reference import brute_force_tree, path_score
+from .reference import brute_force_tree, path_score, reference_bias, reference_step
 
 ANCHOR = 3
 
@@ -100,10 +100,10 @@ def test_markov_bias_chained_along_the_argmax_path(kind: str):
     d2t = torch.randperm(v_t)[:v_d].sort().values - torch.arange(v_d)
 
     # manual: depth 1 is biased by the anchor, depth d by the argmax of the corrected depth d-1
-    prev, state, rows = ANCHOR, markov.init_state(), []
+    prev, state, rows = ANCHOR, [0.0] * r, []
     for d in range(n_depths):
-        bias, state = markov.bias(prev, hidden[d], state)
-        z = base[d] + bias
+        _, v, state = reference_step(markov, prev, hidden[d].tolist(), state)
+        z = base[d] + torch.tensor(reference_bias(markov, v), dtype=torch.float32)
         rows.append(torch.log_softmax(z, -1))
         x = int(z.argmax())
         prev = x + int(d2t[x])

@@ -6,9 +6,10 @@ import copy
 
 import pytest
 import torch
-from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
+from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain, markov_step
 
-from .reference import reference_chain
+from .reference import reference_bias, reference_chain, reference_step
 
 K, V_D, V_T, R, H = 4, 300, 500, 8, 16  # vocab 300 with 128-wide tiles: the last tile is partly masked
 TILE = 128
@@ -65,11 +66,37 @@ def test_parameter_names_and_shapes():
         MarkovHead("lstm", V_T, V_D, R, H)
 
 
-def test_vanilla_bias_is_w2_w1():
-    markov, _ = make_heads()
-    bias, state = markov.bias(7)
-    torch.testing.assert_close(bias, markov.w2.weight @ markov.w1.weight[7])
-    assert state is None
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_batched_markov_step_equals_reference(kind: str):
+    markov, _ = make_heads(kind, seed=7)
+    g = torch.Generator().manual_seed(7)
+    A, steps = 3, 3
+    base, hidden = torch.randn(steps, A, V_D, generator=g), torch.randn(steps, A, H, generator=g)
+    prev = torch.randint(V_T, (steps, A), generator=g)
+    state, ref_states = None, [[0.0] * R for _ in range(A)]
+    for k in range(steps):
+        z, e, new_state = markov_step(markov, base[k], prev[k], hidden[k], state)
+        assert z.shape == (A, V_D) and z.dtype == torch.float32 and e.shape == (A, R)
+        for a in range(A):
+            ref_e, v, ref_states[a] = reference_step(markov, int(prev[k, a]), hidden[k, a].tolist(), ref_states[a])
+            expected = base[k, a].double() + torch.tensor(reference_bias(markov, v), dtype=torch.float64)
+            torch.testing.assert_close(z[a].double(), expected, atol=1e-5, rtol=0)
+            torch.testing.assert_close(e[a].double(), torch.tensor(ref_e, dtype=torch.float64))
+        if kind == "rnn":
+            torch.testing.assert_close(new_state.double(), torch.tensor(ref_states, dtype=torch.float64))
+            if state is None:  # s_0 = 0
+                assert torch.equal(markov_step(markov, base[k], prev[k], hidden[k], torch.zeros(A, R))[0], z)
+        else:
+            assert new_state is None
+        state = new_state
+    if kind == "vanilla":  # a cached head's rows are the products themselves, each computed as a one-row step
+        cached = copy.deepcopy(markov).cache_biases(capacity=2)
+        for k in range(steps):
+            z = markov_step(cached, base[k], prev[k])[0]
+            for a in range(A):
+                assert torch.equal(z[a], markov_step(markov, base[k, a : a + 1], prev[k, a : a + 1])[0][0])
+    z, e, state = markov_step(None, base[0], prev[0])
+    assert torch.equal(z, base[0]) and e is None and state is None
 
 
 @pytest.mark.parametrize("with_d2t", [False, True])
@@ -128,16 +155,6 @@ def test_gated_and_rnn_torch_path_equals_reference(kind: str, with_d2t: bool):
     assert not torch.allclose(other.logprobs, ref.logprobs.float())
 
 
-def test_rnn_bias_carries_state():
-    markov, _ = make_heads("rnn", seed=2)
-    h = torch.randn(H)
-    b1, s1 = markov.bias(4, h, None)
-    assert s1.shape == (R,) and s1.abs().sum() > 0
-    torch.testing.assert_close(markov.bias(4, h, torch.zeros(R))[0], b1)  # s_0 = 0
-    b2, s2 = markov.bias(4, h, s1)
-    assert not torch.allclose(b1, b2) and not torch.allclose(s1, s2)
-
-
 @pytest.mark.parametrize("path", ["torch", "fused"])
 def test_without_markov_head_is_plain_argmax(path: str):
     if path == "fused":
@@ -168,26 +185,35 @@ def test_kernel_choice(monkeypatch):
     vanilla, conf = make_heads()
     gated, _ = make_heads("gated")
     # auto fuses on CUDA only; the CPU interpreter is for tests and runs when asked for by name
-    assert choose_kernel("auto", vanilla, 0.0, "cpu") == "torch"
+    assert choose_kernel("auto", "vanilla", 0.0, "cpu") == "torch"
     assert choose_kernel("auto", None, 0.0, "cpu") == "torch"
-    assert choose_kernel("fused", vanilla, 0.0, "cpu") == "fused"
-    assert choose_kernel("auto", gated, 0.0, "cpu") == "torch"
-    assert choose_kernel("auto", vanilla, 0.7, "cpu") == "torch"
-    assert choose_kernel("torch", vanilla, 0.0, "cpu") == "torch"
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        choose_kernel("cuda", vanilla, 0.0, "cpu")
+    assert choose_kernel("fused", "vanilla", 0.0, "cpu") == "fused"
+    assert choose_kernel("fused", None, 0.0, "cpu") == "fused"
+    assert choose_kernel("auto", "gated", 0.0, "cpu") == "torch"
+    assert choose_kernel("auto", "vanilla", 0.7, "cpu") == "torch"
+    assert choose_kernel("torch", "rnn", 0.7, "cpu") == "torch"
+    with pytest.raises(InvalidArgument, match="kernel must be one of"):
+        choose_kernel("cuda", "vanilla", 0.0, "cpu")
+    for kind, temperature in (("gated", 0.0), ("rnn", 0.0), ("vanilla", 0.5)):
+        with pytest.raises(InvalidArgument, match="greedy chain of a vanilla Markov head"):
+            choose_kernel("fused", kind, temperature, "cpu")
     u, h_pre, h_post = make_inputs()
-    with pytest.raises(ValueError, match="vanilla head only"):
+    with pytest.raises(InvalidArgument, match="vanilla Markov head"):
         draft_chain(u, h_pre, h_post, 1, gated, conf, kernel="fused")
-    with pytest.raises(ValueError, match="greedy only"):
+    with pytest.raises(InvalidArgument, match="greedy chain"):
         draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused", temperature=0.5)
+    with pytest.raises(InvalidArgument, match="vanilla Markov head"):
+        fused(u, h_pre, h_post, 1, gated, conf)
     assert_same_chain(draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused"),
                       draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="torch"))
     from dspark_grpc.runtime import markov_triton
 
     monkeypatch.setattr(markov_triton, "_INTERPRET", False)  # as if triton had been imported without it
-    with pytest.raises(RuntimeError, match="cannot run"):
-        draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused")
+    assert choose_kernel("auto", "vanilla", 0.0, "cpu") == "torch"
+    for run in (lambda: draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused"),
+                lambda: fused(u, h_pre, h_post, 1, vanilla, conf)):
+        with pytest.raises(FailedPrecondition, match="cannot run"):
+            run()
 
 
 @pytest.mark.parametrize("path", ["torch", "fused"])
@@ -226,7 +252,7 @@ def test_cached_biases_give_bit_identical_chains_and_stay_bounded():
         assert torch.equal(fast.logprobs, plain.logprobs) and torch.equal(fast.confidences, plain.confidences)
         assert len(cached._biases) <= 3
     for prev, row in cached._biases.items():  # every kept row is W2 · W1[prev] itself
-        assert torch.equal(row, markov.w2.weight @ markov.w1.weight[prev])
+        assert torch.equal(row[0], markov.w2.weight @ markov.w1.weight[prev])
 
 
 def test_bias_cache_refuses_heads_whose_bias_is_not_a_function_of_the_token():

@@ -18,6 +18,7 @@ from dspark_grpc.runtime.train.model import (
     spread_anchors,
 )
 from dspark_grpc.runtime.train.vocab import DraftVocab
+from heads.reference import reference_bias, reference_step
 
 from .conftest import LAYER_IDS, VOCAB, Tiny
 
@@ -79,7 +80,7 @@ def test_batch_rows_align_with_the_targets_continuation(tiny: Tiny):
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
-def test_teacher_forced_markov_bias_matches_step_vector(tiny: Tiny, kind: str):
+def test_teacher_forced_markov_bias_matches_the_reference_step(tiny: Tiny, kind: str):
     drafter = drafter_for(tiny, markov_head_type=kind, draft_vocab_size=50, seed=3)
     seqs, anchors = some_anchors(tiny, 4)
     batch = make_batch(seqs, anchors, 4)
@@ -88,11 +89,12 @@ def test_teacher_forced_markov_bias_matches_step_vector(tiny: Tiny, kind: str):
     conf = confidence_logits(drafter, rows, emb)
     m = drafter.markov
     for a in range(batch.num_anchors):
-        state = m.init_state()
+        state = [0.0] * m.rank
         for k in range(4):
-            e, v, state = m.step_vector(int(batch.prev_tokens[a, k]), rows.hidden_post[a, k], state)
-            torch.testing.assert_close(z[a, k], rows.base_logits[a, k] + m.w2.weight @ v, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(emb[a, k], e)
+            e, v, state = reference_step(m, int(batch.prev_tokens[a, k]), rows.hidden_post[a, k].tolist(), state)
+            expected = rows.base_logits[a, k].double() + torch.tensor(reference_bias(m, v), dtype=torch.float64)
+            torch.testing.assert_close(z[a, k].double(), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(emb[a, k].double(), torch.tensor(e, dtype=torch.float64))
         expected = drafter.confidence(drafter.confidence.select_hidden(rows.hidden_pre[a], rows.hidden_post[a]),
                                       emb[a])
         torch.testing.assert_close(torch.sigmoid(conf[a]), expected, atol=1e-6, rtol=0)
