@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_drafter, local_target
-from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -41,18 +44,46 @@ def draft_address() -> str:
         yield address
 
 
+@contextlib.contextmanager
+def target_with_drafter(drafter: str, *args: str, draft_timeout: float = SLOW_MACHINE_DRAFT_TIMEOUT) -> Iterator[str]:
+    """A target (the default model unless `args` name another) started with `--drafter DRAFTER`; yielded once it
+    is SERVING and has found its drafter (`wait_drafting`)."""
+    args = ["--drafter", drafter, "--draft-timeout", str(draft_timeout), "--quiet", "--no-cost-profile", *args]
+    with local_target(args, echo=False) as address:
+        with TargetClient(address) as probe:
+            probe.wait_ready(timeout=300)
+        wait_drafting(address)
+        yield address
+
+
+def wait_drafting(address: str, timeout: float = 60.0) -> None:
+    """Until the target at `address` has found its drafter SERVING: a session opened for speculation drafts, or
+    the target refuses the drafter (built for another target). The target's link probes the drafter's health twice
+    a second; a session opened before it found the drafter runs target-only."""
+    session = RawSession(address)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            opened = session.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+                mode=common_pb2.DECODE_MODE_SPECULATION)))
+            session.ok(release=target_pb2.Release(session_id=opened.session_id))
+            drafting = opened.step_mode == common_pb2.DECODE_MODE_SPECULATION
+            if drafting or "refused the drafter" in opened.fallback_reason:
+                return
+            assert time.monotonic() < deadline, f"the target at {address} has no drafter: {opened.fallback_reason}"
+            time.sleep(0.2)
+    finally:
+        session.close()
+
+
 @pytest.fixture(scope="session")
 def spec_target(draft_address: str) -> tuple[str, str]:
-    """A second target that speculates with the random drafter in its Generate RPC and exports Prometheus
+    """A second target that drafts with the random drafter (Steps and its Generate RPC) and exports Prometheus
     metrics: (gRPC address, metrics URL)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         metrics_port = sock.getsockname()[1]
-    args = ["--drafter", draft_address, "--metrics-port", str(metrics_port), "--quiet", "--no-cost-profile",
-            "--draft-timeout", str(SLOW_MACHINE_DRAFT_TIMEOUT)]
-    with local_target(args, echo=False) as address:
-        with TargetClient(address) as probe:
-            probe.wait_ready(timeout=300)
+    with target_with_drafter(draft_address, "--metrics-port", str(metrics_port)) as address:
         yield address, f"http://127.0.0.1:{metrics_port}/metrics"
 
 

@@ -6,19 +6,16 @@ import asyncio
 
 from dspark_grpc.client import AsyncTargetClient, TargetClient
 
-from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
-
 QUESTIONS = ["Name three colours.", "What is 2 + 2?", "Say hello in Spanish."]
 
 
-def test_async_generate_and_stream_match_sync(target_address, draft_address):
-    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as sync:
+def test_async_generate_and_stream_match_sync(target_address, spec_target_address):
+    with TargetClient(target_address) as sync:
         expected = [sync.generate(messages=[{"role": "user", "content": q}], max_new_tokens=20, mode="ar")
                     for q in QUESTIONS]
 
     async def run():
-        async with AsyncTargetClient(target_address, drafter=draft_address,
-                                     draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
+        async with AsyncTargetClient(spec_target_address) as client:
             await client.wait_ready(60)
             results = await asyncio.gather(*[
                 client.generate(messages=[{"role": "user", "content": q}], max_new_tokens=20, mode="speculation")

@@ -3,14 +3,16 @@ gives AR's tokens at any concurrency, and the start-up cost tables are published
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
-from dspark_grpc.protos.dspark.v1 import target_pb2, target_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation.channel import make_channel
 
-from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
+from tests.service.conftest import RawSession
 
 PROMPTS = [
     "List three uses of copper.",
@@ -37,12 +39,67 @@ def test_concurrent_ar_requests_get_the_tokens_each_gets_alone(target_address):
     assert len({tuple(t) for t in alone}) == len(PROMPTS)  # different prompts, different outputs: a mix-up shows
 
 
-def test_every_mode_at_concurrency_gives_ar_tokens(target_address, draft_address):
-    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
+def test_every_mode_at_concurrency_gives_ar_tokens(spec_target_address):
+    with TargetClient(spec_target_address) as client:
         reference = _generate_all(client, 1, mode="ar")
         for options in (dict(mode="speculation"), dict(mode="speculation", proposal="tree", proposer="hybrid"),
                         dict(mode="adaptive")):
             assert _generate_all(client, 3, **options) == reference, options
+
+
+@pytest.fixture(scope="module")
+def round_of_four(spec_target_address) -> tuple[list[list[int]], list[list[int]], list[list[target_pb2.StepReport]]]:
+    """Four sessions (mode speculation, the random drafter, greedy) opened and prefilled one by one, then stepped
+    from four threads that send their first Steps together: (AR's tokens, each session's tokens, its reports)."""
+    with TargetClient(spec_target_address) as client:
+        reference = _generate_all(client, 1, mode="ar")
+    n = len(PROMPTS)
+    sessions = [RawSession(spec_target_address) for _ in range(n)]  # one stream each, as n clients would
+    try:
+        sids, tokens = [], []
+        for raw, prompt in zip(sessions, PROMPTS, strict=True):
+            opened = raw.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+                mode=common_pb2.DECODE_MODE_SPECULATION)))
+            assert opened.step_mode == common_pb2.DECODE_MODE_SPECULATION, opened.fallback_reason
+            pre = raw.ok(prefill=target_pb2.Prefill(session_id=opened.session_id,
+                                                    prompt=common_pb2.Prompt(text=prompt)))
+            sids.append(opened.session_id)
+            tokens.append([pre.next_token])
+        together = threading.Barrier(n)
+
+        def steps(i: int) -> list[target_pb2.StepReport]:
+            reports = []
+            together.wait(timeout=60)
+            while len(tokens[i]) < NEW_TOKENS:
+                stepped = sessions[i].ok(step=target_pb2.Step(session_id=sids[i]))
+                tokens[i] += [*stepped.tokens[1:], stepped.next_token]
+                reports.append(stepped.report)
+            return reports
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            reports = list(pool.map(steps, range(n)))
+    finally:
+        for raw in sessions:
+            raw.close()
+    return reference, [t[:NEW_TOKENS] for t in tokens], reports
+
+
+def test_concurrent_speculative_steps_give_ar_tokens(round_of_four):
+    reference, tokens, reports = round_of_four
+    assert tokens == reference
+    assert all(r.draft_depth >= 1 and r.fallback_reason == "" for rs in reports for r in rs)
+
+
+@pytest.mark.xfail(strict=False, reason="which Steps form the first DraftRound depends on thread timing: the round "
+                   "batcher (target_service/draft_rounds.py) has no history to wait for before the first round, so "
+                   "the four first Steps were split (3+1, 1+3 or 2+2 sessions) in 9 of 26 runs on 2 cores")
+def test_steps_sent_together_draft_in_one_pass_and_verify_in_one_forward(round_of_four):
+    """The first Steps of the four sessions, sent together, are one round: one DraftRound, one drafter pass, and one
+    target forward (the target's batcher waits for every session of a round, StepBatcher.expect)."""
+    n = len(PROMPTS)
+    first = [rs[0] for rs in round_of_four[2]]
+    assert [(r.draft_batch_sessions, r.batch_sessions) for r in first] == [(n, n)] * n, \
+        [(r.draft_batch_sessions, r.batch_sessions, r.batch_rows) for r in first]
 
 
 def _verify_costs(address: str) -> list:

@@ -10,7 +10,7 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, 
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.channel import SessionStream
 
-from tests.service.conftest import MAX_SESSIONS, SLOW_MACHINE_DRAFT_TIMEOUT, RawSession, health_status
+from tests.service.conftest import MAX_SESSIONS, RawSession, health_status
 
 INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 3, 5, 8, 9
 PROMPT = [1, 9690, 198, 23409, 253, 2143, 1202, 338, 14855, 2, 198, 1, 520, 9531, 198]
@@ -109,6 +109,38 @@ def test_drafting_over_grpc_equals_in_process(draft, target_rows, in_process_eng
         assert proposal.tree.parents == list(range(-1, info.block_size))
 
 
+def test_a_round_answers_each_op_as_alone_and_drafts_its_proposals_in_one_pass(draft, target_rows):
+    """DraftRound, what a target sends for its sessions: opens under the target's ids, appends, proposals; each op
+    answers as it would alone, and the round's proposals share one drafter pass."""
+    info, pre, fingerprint = target_rows
+
+    def propose(sid: str) -> draft_pb2.DraftSessionRequest:
+        return draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(
+            session_id=sid, anchor_token=pre.next_token, anchor_position=len(PROMPT),
+            proposer=draft_pb2.PROPOSER_DSPARK, kernel=draft_pb2.KERNEL_CHOICE_TORCH))
+
+    sid = opened(draft, fingerprint)
+    append_prompt(draft, sid, pre)
+    alone = draft.ok(propose=propose(sid).propose)
+    ops = []
+    for name in ("round-a", "round-b"):
+        ops += [draft_pb2.DraftSessionRequest(open=draft_pb2.OpenDraft(target=fingerprint, session_id=name)),
+                draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(
+                    session_id=name, start_position=0, tokens=PROMPT, capture=pre.capture)),
+                propose(name)]
+    results = draft.ok(round=draft_pb2.DraftRound(ops=ops)).results
+    assert [r.status.code for r in results] == [0] * 6
+    assert [r.opened.session_id for r in results[0::3]] == ["round-a", "round-b"]
+    assert [r.appended.length for r in results[1::3]] == [len(PROMPT)] * 2
+    for r in results[2::3]:
+        assert (list(r.proposal.tree.tokens), list(r.proposal.tree.parents)) == (list(alone.tree.tokens),
+                                                                                list(alone.tree.parents))
+    assert alone.batch_sessions == 1 and [r.proposal.batch_sessions for r in results[2::3]] == [2, 2]
+    draft.expect(INVALID_ARGUMENT, "in use", open=draft_pb2.OpenDraft(target=fingerprint, session_id="round-a"))
+    draft.expect(INVALID_ARGUMENT, "round", round=draft_pb2.DraftRound(ops=[
+        draft_pb2.DraftSessionRequest(round=draft_pb2.DraftRound())]))
+
+
 def test_duplicate_rows_are_idempotent_and_gaps_refused(draft, target_rows):
     info, pre, fingerprint = target_rows
     sid = opened(draft, fingerprint)
@@ -205,8 +237,8 @@ def ar_outputs(target_address) -> list:
     ("chain", "dspark", "torch"), ("chain", "dspark", "fused"), ("tree", "dspark", "torch"),
     ("chain", "ngram", "auto"), ("tree", "ngram", "auto"), ("chain", "hybrid", "auto"), ("tree", "hybrid", "auto"),
 ])
-def test_speculation_is_lossless(target_address, draft_address, ar_outputs, proposal, proposer, kernel):
-    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
+def test_speculation_is_lossless(spec_target_address, ar_outputs, proposal, proposer, kernel):
+    with TargetClient(spec_target_address) as client:
         for messages, ar in zip(LOSSLESS_PROMPTS, ar_outputs, strict=True):
             spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal,
                                    proposer=proposer, kernel=kernel)
@@ -235,20 +267,20 @@ def test_sampled_chain_carries_the_distributions_it_was_drawn_from(draft, target
     assert list(again.tree.tokens) == tokens  # seeded
 
 
-def test_seeded_speculative_sampling_is_reproducible(target_address, draft_address):
+def test_seeded_speculative_sampling_is_reproducible(spec_target_address):
     kwargs = dict(messages=[{"role": "user", "content": "Tell me a fact about cats."}], max_new_tokens=24,
                   temperature=0.8, top_p=0.9, mode="speculation", proposer="dspark", ignore_eos=True)
-    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
+    with TargetClient(spec_target_address) as client:
         a = client.generate(seed=11, **kwargs)
         b = client.generate(seed=11, **kwargs)
         assert a.token_ids == b.token_ids and len(a.token_ids) == 24
         assert a.stats.speculative_steps > 0 and a.stats.fallback_reason == ""
 
 
-def test_eos_stop_strings_and_max_tokens_match_ar_when_speculating(target_address, draft_address):
+def test_eos_stop_strings_and_max_tokens_match_ar_when_speculating(spec_target_address):
     """Steps that commit several tokens must end exactly where AR ends: at EOS, a stop string or max tokens."""
     chat = [{"role": "user", "content": "Repeat after me: one two three, one two three, one two three."}]
-    with TargetClient(target_address, drafter=draft_address, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
+    with TargetClient(spec_target_address) as client:
         full_ar = client.generate(messages=chat, max_new_tokens=120, mode="ar")
         assert full_ar.finish_reason == "eos"
         text = full_ar.text

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 from dspark_grpc.client import TargetClient
+from dspark_grpc.client.bench import drafter_info
 from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
 
-from tests.service.conftest import SLOW_MACHINE_DRAFT_TIMEOUT
+from tests.service.conftest import target_with_drafter
 
 PROMPTS = [
     [{"role": "user", "content": "Explain in three sentences why the sky is blue."}],
@@ -18,19 +19,21 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def embedded_drafter() -> str:
+def embedded_stack() -> tuple[str, str]:
+    """(target address, drafter address): the shipped drafter, and a target that drafts with it."""
     if not (EMBEDDED_DRAFTER / "model.safetensors").is_file():
         pytest.fail(f"the shipped drafter is missing: {EMBEDDED_DRAFTER}")
-    with local_drafter(["--drafter", "embedded", "--quiet", "--no-cost-profile"], echo=False) as address:
-        with TargetClient(address) as probe:
+    with local_drafter(["--drafter", "embedded", "--quiet", "--no-cost-profile"], echo=False) as drafter:
+        with TargetClient(drafter) as probe:
             probe.wait_ready(timeout=300)
-        yield address
+        with target_with_drafter(drafter) as target:
+            yield target, drafter
 
 
-def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(target_address, embedded_drafter):
-    with TargetClient(target_address, drafter=embedded_drafter, draft_timeout=SLOW_MACHINE_DRAFT_TIMEOUT) as client:
-        info = client.drafter_info()
-        assert info.name == EMBEDDED_DRAFTER.name
+def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(embedded_stack):
+    target, drafter = embedded_stack
+    assert drafter_info(drafter).name == EMBEDDED_DRAFTER.name
+    with TargetClient(target) as client:
         dspark_accepted, per_step = 0, {}
         for messages in PROMPTS:
             ar = client.generate(messages=messages, max_new_tokens=48, mode="ar")
@@ -38,6 +41,7 @@ def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(target_addr
                 spec = client.generate(messages=messages, max_new_tokens=48, mode="speculation", proposer=proposer,
                                        proposal=proposal)
                 assert spec.token_ids == ar.token_ids, (proposer, proposal)
+                assert spec.stats.fallback_reason == "", spec.stats.fallback_reason
                 steps, tokens = per_step.get(proposer, (0, 0))
                 per_step[proposer] = (steps + spec.stats.steps, tokens + len(spec.token_ids))
                 if proposer == "dspark":

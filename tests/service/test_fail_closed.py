@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
+import grpc
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_drafter
-from dspark_grpc.protos.dspark.v1 import draft_pb2, target_pb2
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
-from tests.service.conftest import MAX_SESSIONS, RawSession
-from tests.service.test_draft_service import DraftSession
+from tests.service.conftest import MAX_SESSIONS, target_with_drafter, wait_drafting
 
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 NO_PROFILE_RANDOM = ["--drafter", "random", "--quiet", "--no-cost-profile"]
@@ -27,11 +28,13 @@ def test_drafter_killed_mid_generation_finishes_target_only(target_address):
     procs: list = []
     with TargetClient(target_address) as ar_client:
         reference = ar_client.generate(messages=MESSAGES, max_new_tokens=48, ignore_eos=True, mode="ar")
-    with local_drafter(NO_PROFILE_RANDOM, echo=False, port=port, process=procs) as drafter:
-        client = TargetClient(target_address, drafter=drafter, draft_timeout=5.0)
-        client.wait_ready(120)
-        from dspark_grpc.protos.dspark.v1 import common_pb2
-
+    drafter = f"127.0.0.1:{port}"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(local_drafter(NO_PROFILE_RANDOM, echo=False, port=port, process=procs))
+        with TargetClient(drafter) as probe:
+            probe.wait_ready(120)
+        target = stack.enter_context(target_with_drafter(drafter, draft_timeout=5.0))
+        client = stack.enter_context(TargetClient(target))
         stats = common_pb2.GenerationStats()
         ids = []
         for n, (_, toks, _) in enumerate(client.stream(messages=MESSAGES, max_new_tokens=48, ignore_eos=True,
@@ -43,39 +46,40 @@ def test_drafter_killed_mid_generation_finishes_target_only(target_address):
         assert stats.speculative_steps > 0 and "drafter" in stats.fallback_reason
         assert stats.mode_run == common_pb2.DECODE_MODE_SPECULATION
 
-    # the drafter comes back on the same address: new requests speculate again
-    with local_drafter(NO_PROFILE_RANDOM, echo=False, port=port):
-        client.wait_ready(120)
-        again = client.generate(messages=MESSAGES, max_new_tokens=16, ignore_eos=True, mode="speculation")
-        assert again.stats.fallback_reason == "" and again.stats.speculative_steps > 0
-        assert again.token_ids == reference.token_ids[:16]
-    client.close()
+        # the drafter comes back on the same address: new requests speculate again
+        with local_drafter(NO_PROFILE_RANDOM, echo=False, port=port):
+            wait_drafting(target)
+            again = client.generate(messages=MESSAGES, max_new_tokens=16, ignore_eos=True, mode="speculation")
+            assert again.stats.fallback_reason == "" and again.stats.speculative_steps > 0
+            assert again.token_ids == reference.token_ids[:16]
 
 
-def _sessions_free(open_session) -> bool:
-    ok = 0
-    for _ in range(MAX_SESSIONS):
-        ok += open_session()
-    return ok == MAX_SESSIONS
+def test_cancelled_request_frees_its_sessions_on_both_services(spec_target_address, draft_address):
+    def drafter_info() -> draft_pb2.GetDrafterInfoResponse:
+        with grpc.insecure_channel(draft_address) as channel:
+            return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
+                                                                           timeout=30)
 
-
-def test_cancelled_request_frees_its_sessions_on_both_services(target_address, draft_address):
-    with TargetClient(target_address, drafter=draft_address) as client:
-        for _ in range(MAX_SESSIONS + 1):  # more requests than session slots: each cancel must free its slots
-            stream = client.stream(messages=MESSAGES, max_new_tokens=200, ignore_eos=True, mode="speculation")
-            next(stream)
+    # more requests than the drafter has session slots: a request whose draft session was not freed would make a
+    # later request's drafter open fail, and that request would not speculate
+    assert drafter_info().max_sessions == MAX_SESSIONS
+    with TargetClient(spec_target_address) as client:
+        for _ in range(MAX_SESSIONS + 1):
+            stats = common_pb2.GenerationStats()
+            stream = client.stream(messages=MESSAGES, max_new_tokens=200, ignore_eos=True, mode="speculation",
+                                   stats=stats)
+            for _ in range(3):  # the prefill's token, then two steps: the draft session is open
+                next(stream)
+            assert stats.speculative_steps == 2
             stream.close()  # the caller walks away mid-generation
-    info = DraftSession(draft_address).stub.GetDrafterInfo(draft_pb2.GetDrafterInfoRequest())
     deadline = time.monotonic() + 30
     while True:
-        target, draft = RawSession(target_address), DraftSession(draft_address)
-        target_ok = _sessions_free(lambda t=target: t.call(open=target_pb2.OpenSession()).status.code == 0)
-        draft_ok = _sessions_free(lambda d=draft: d.call(open=draft_pb2.OpenDraft(target=info.target)).status.code == 0)
-        target.close()
-        draft.close()
-        if target_ok and draft_ok:
+        with TargetClient(spec_target_address) as target:
+            target_live = target.model_info().live_sessions
+        draft_live = drafter_info().live_sessions
+        if target_live == draft_live == 0:
             break
-        assert time.monotonic() < deadline, (target_ok, draft_ok)
+        assert time.monotonic() < deadline, (target_live, draft_live)
         time.sleep(0.5)
 
 
@@ -100,36 +104,36 @@ def test_generate_rpc_speculates_server_side(spec_target_address):
             assert stats.mode_run == mode and stats.fallback_reason == ""
 
 
-def test_drafter_for_another_target_is_refused_and_the_request_goes_on(target_address, tiny_hf_models,
+def test_drafter_for_another_target_is_refused_and_the_request_goes_on(draft_address, tiny_hf_models,
                                                                        smollm2_path):
+    """A tiny target (SmolLM2's tokenizer, another model) started with the random drafter built for SmolLM2."""
     from dspark_grpc.runtime.tokenizer import TextTokenizer
 
     other = tiny_hf_models["qwen3"]
     TextTokenizer.from_gguf(smollm2_path).save(other)  # same tokenizer, another model
-    with TargetClient(target_address) as ar_client:
-        reference = ar_client.generate(messages=MESSAGES, max_new_tokens=16, mode="ar")
-    with local_drafter(["--target-model", str(other), "--quiet", "--no-cost-profile"], echo=False) as drafter:
-        with TargetClient(target_address, drafter=drafter) as client:
-            client.wait_ready(120)
-            result = client.generate(messages=MESSAGES, max_new_tokens=16, mode="speculation")
+    with target_with_drafter(draft_address, "--model", str(other)) as target, TargetClient(target) as client:
+        reference = client.generate(messages=MESSAGES, max_new_tokens=16, mode="ar")
+        result = client.generate(messages=MESSAGES, max_new_tokens=16, mode="speculation")
     assert result.token_ids == reference.token_ids
     assert "refused the drafter" in result.stats.fallback_reason and "another target" in result.stats.fallback_reason
-    assert result.stats.speculative_steps == 0
+    assert result.stats.speculative_steps == 0 and result.stats.mode_run == common_pb2.DECODE_MODE_AR
 
 
-def test_adaptive_mode_with_a_drafter_that_is_never_right_is_lossless_and_accounts_for_every_step(target_address,
-                                                                                                 draft_address):
+def test_adaptive_mode_with_a_drafter_that_is_never_right_is_lossless_and_accounts_for_every_step(
+        spec_target_address):
     """A random DSpark drafter never gets a token accepted. How often adaptive decoding still probes it depends on
     measured times (how cheap drafting is next to an AR step on this machine), so this test asserts no count of
     them: that decision is tested on a fake clock in tests/test_planner.py. Here: the output is AR's, and every step
-    is accounted for and explained."""
-    with TargetClient(target_address, drafter=draft_address) as client:
+    is accounted for and explained. The target's planner remembers its estimates across requests (other tests use
+    this target too): drafting is tried first, or (estimates loaded) at the latest as a probe once AR has won a probe
+    interval (8 steps); this target has no cost tables, so no round cuts a draft to AR."""
+    with TargetClient(spec_target_address) as client:
         ar = client.generate(messages=MESSAGES, max_new_tokens=64, ignore_eos=True, mode="ar")
         adaptive = client.generate(messages=MESSAGES, max_new_tokens=64, ignore_eos=True, mode="adaptive",
                                    proposer="dspark")
     assert adaptive.token_ids == ar.token_ids
     s = adaptive.stats
-    assert s.speculative_steps + s.ar_steps == s.steps and s.speculative_steps >= 1  # the first try
+    assert s.speculative_steps + s.ar_steps == s.steps and s.speculative_steps >= 1  # a first try or a probe
     assert s.planned_ar_steps <= s.ar_steps
 
 

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.local_stack import local_drafter, local_target
+from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from qwen35_models import make_qwen35
 
-from tests.service.conftest import RawSession
+from tests.service.conftest import RawSession, target_with_drafter
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land", "1, 2, 3, 4,"]
 NEW_TOKENS = 32
@@ -22,17 +22,16 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm2_path) -> tuple[str, str]:
-    """(target address, drafter address): the 'every4' layout at SmolLM2's vocabulary, with its tokenizer."""
+    """(target address, drafter address): the 'every4' layout at SmolLM2's vocabulary, with its tokenizer, and a
+    random drafter built for it, which the target drafts with."""
     directory = make_qwen35(tmp_path_factory.mktemp("qwen35_service"), "every4", 49152, seed=5)
     TextTokenizer.from_gguf(smollm2_path).save(directory)
     quick = ["--no-cost-profile", "--grace", "1", "--quiet"]
-    with local_target(["--model", str(directory), *quick], echo=False) as target:
-        with TargetClient(target) as probe:
+    drafter_args = ["--drafter", "random", "--target-model", str(directory), *quick]
+    with local_drafter(drafter_args, echo=False) as drafter:
+        with TargetClient(drafter) as probe:
             probe.wait_ready(300)
-        drafter_args = ["--drafter", "random", "--target-model", str(directory), *quick]
-        with local_drafter(drafter_args, echo=False) as drafter:
-            with TargetClient(drafter) as probe:
-                probe.wait_ready(300)
+        with target_with_drafter(drafter, "--model", str(directory), "--grace", "1") as target:
             yield target, drafter
 
 
@@ -44,8 +43,7 @@ def test_model_info_names_the_hybrid(stack):
 @pytest.mark.parametrize("proposal,proposer", [("chain", "dspark"), ("tree", "dspark"), ("chain", "hybrid"),
                                                ("tree", "hybrid")])
 def test_greedy_speculation_equals_ar(stack, proposal, proposer):
-    target, drafter = stack
-    with TargetClient(target, drafter=drafter) as client:
+    with TargetClient(stack[0]) as client:
         for prompt in PROMPTS[:2]:
             ar = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True)
             spec = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="speculation", proposal=proposal,
@@ -86,10 +84,9 @@ def test_a_tree_path_past_side_branches_commits_then_ar_goes_on_as_plain_ar(stac
 
 @pytest.mark.parametrize("proposal", ["chain", "tree"])
 def test_seeded_speculative_sampling_is_reproducible(stack, proposal):
-    target, drafter = stack
     kwargs = dict(max_new_tokens=24, temperature=0.8, top_p=0.9, mode="speculation", proposal=proposal,
                   proposer="dspark", ignore_eos=True)
-    with TargetClient(target, drafter=drafter) as client:
+    with TargetClient(stack[0]) as client:
         a = client.generate(PROMPTS[0], seed=11, **kwargs)
         b = client.generate(PROMPTS[0], seed=11, **kwargs)
         other = client.generate(PROMPTS[0], seed=12, **kwargs)
@@ -99,8 +96,6 @@ def test_seeded_speculative_sampling_is_reproducible(stack, proposal):
 
 
 def test_concurrent_sessions_batched_equal_alone(stack):
-    target, drafter = stack
-
     def run(client: TargetClient, concurrency: int, **options) -> list[list[int]]:
         def one(prompt: str) -> list[int]:
             return client.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **options).token_ids
@@ -108,7 +103,7 @@ def test_concurrent_sessions_batched_equal_alone(stack):
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             return list(pool.map(one, PROMPTS))
 
-    with TargetClient(target, drafter=drafter) as client:
+    with TargetClient(stack[0]) as client:
         alone = run(client, 1, mode="ar")
         assert len({tuple(t) for t in alone}) == len(PROMPTS)  # different outputs: a mix-up would show
         assert run(client, len(PROMPTS), mode="ar") == alone

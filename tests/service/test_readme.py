@@ -113,11 +113,11 @@ def test_cheap_readme_commands_run_against_a_live_target(target_address):
     assert ran == 2
 
 
-def test_the_readme_sdk_snippet_runs(target_address, draft_address, capsys):
+def test_the_readme_sdk_snippet_runs(spec_target_address, capsys):
     [snippet] = [block for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
                  if "AsyncTargetClient" in block]
     assert "asyncio.run(main())" in snippet  # the async example is run, not only defined
-    code = snippet.replace("127.0.0.1:50051", target_address).replace("127.0.0.1:50052", draft_address)
+    code = snippet.replace("127.0.0.1:50051", spec_target_address)  # a target started with --drafter
     code = code.replace("max_new_tokens=64", "max_new_tokens=8").replace("max_new_tokens=32", "max_new_tokens=8")
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     printed = capsys.readouterr().out
