@@ -93,6 +93,11 @@ class StepBatcher(Generic[J, R]):
                 self._expected[session] = until
             self._cv.notify()
 
+    def queued(self) -> int:
+        """Jobs and calls waiting for the worker."""
+        with self._cv:
+            return len(self._queue)
+
     def unexpect(self, session: Hashable) -> None:
         with self._cv:
             if self._expected.pop(session, None) is not None:

@@ -28,17 +28,22 @@ class SessionStream:
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
+        self.ended = False  # the stream is over (an error, the deadline, `close`): every call fails at once
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         try:
             for response in self._responses:
                 self._replies.put(response)
-            self._replies.put(RequestError(14, "the server closed the stream"))
+            self._end(RequestError(14, "the server closed the stream"))
         except grpc.RpcError as e:
-            self._replies.put(RequestError(e.code().value[0], e.details() or e.code().name))
+            self._end(RequestError(e.code().value[0], e.details() or e.code().name))
         except Exception as e:  # noqa: BLE001 - e.g. a reply grpc could not deserialize: still an end, not a hang
-            self._replies.put(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
+            self._end(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
+
+    def _end(self, error: RequestError) -> None:
+        self.ended = True
+        self._replies.put(error)
 
     def call(self, request, timeout: float | None = None):
         self.send(request)
@@ -61,6 +66,7 @@ class SessionStream:
         return reply
 
     def close(self, reason: str = "the stream was closed") -> None:
+        self.ended = True
         self._requests.put(None)
         self._responses.cancel()
         self._replies.put(RequestError(1, reason))

@@ -68,7 +68,7 @@ class DraftRounds:
 
     def _run(self, jobs: list[RoundJob]) -> list[RoundReply]:
         replies: list[RoundReply | None] = [None] * len(jobs)
-        if self._stream is None:
+        if self._stream is None or self._stream.ended:  # ended between rounds (the drafter went away meanwhile)
             stream = self.link.open_stream()
             if stream is None:
                 return [RoundReply(None, f"{self.link.down_reason}")] * len(jobs)

@@ -1,0 +1,123 @@
+"""The target's rounds with its drafter, without gRPC: a fake link stream records the DraftRound messages; the
+rounds' worker is held by an explicit gate while jobs queue, so what forms a round does not depend on timing."""
+
+from __future__ import annotations
+
+import threading
+
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+from dspark_grpc.speculation.generation import RequestError
+from dspark_grpc.speculation.steps import SessionDrafting
+from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
+
+
+class FakeStream:
+    """Answers a DraftRound op by op: opens, appends, and a one-token proposal per propose."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.rounds: list[draft_pb2.DraftRound] = []
+        self.ended, self.fail = False, fail
+
+    def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
+        if self.fail:
+            raise RequestError(14, "connection reset")
+        self.rounds.append(request.round)
+        proposals = sum(op.WhichOneof("op") == "propose" for op in request.round.ops)
+        results = []
+        for op in request.round.ops:
+            kind = op.WhichOneof("op")
+            if kind == "propose":
+                tree = common_pb2.TokenTree(tokens=[op.propose.anchor_token, 7], parents=[-1, 0])
+                results.append(draft_pb2.DraftSessionResponse(proposal=draft_pb2.Proposal(
+                    tree=tree, batch_sessions=proposals)))
+            elif kind == "open":
+                results.append(draft_pb2.DraftSessionResponse(opened=draft_pb2.DraftOpened(
+                    session_id=op.open.session_id)))
+            else:
+                results.append(draft_pb2.DraftSessionResponse(released=draft_pb2.DraftReleased()))
+        return draft_pb2.DraftSessionResponse(request_id=request.request_id,
+                                              round=draft_pb2.DraftRoundResult(results=results))
+
+    def close(self) -> None:
+        self.ended = True
+
+
+class FakeLink:
+    down_reason = "drafter down"
+
+    def __init__(self) -> None:
+        self.streams: list[FakeStream] = []
+        self.fail_next = False
+
+    def open_stream(self) -> FakeStream:
+        self.streams.append(FakeStream(self.fail_next))
+        self.fail_next = False
+        return self.streams[-1]
+
+
+def drafting(sid: str, generation: int = 0) -> SessionDrafting:
+    options = target_pb2.StepOptions(mode=common_pb2.DECODE_MODE_SPECULATION)
+    return SessionDrafting.start(sid, options, draft_pb2.GetDrafterInfoResponse(), common_pb2.Fingerprint(), [],
+                                 None, generation)
+
+
+def run_round(rounds: DraftRounds, sessions: list[SessionDrafting]) -> list:
+    """Queue one step per session while the worker is held, then let it go: they form one round."""
+    gate, held = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker.start()
+    held.wait(10)
+    replies: dict[str, object] = {}
+
+    def step(s: SessionDrafting) -> None:
+        replies[s.session_id] = rounds.submit(RoundJob(s, s.round_ops(anchor=5, position=3, proposer=1)))
+
+    threads = [threading.Thread(target=step, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    while rounds.batcher.queued() < len(sessions):
+        threading.Event().wait(0.005)
+    gate.set()
+    for t in [blocker, *threads]:
+        t.join(10)
+    return [replies[s.session_id] for s in sessions]
+
+
+def test_steps_queued_together_are_one_round_and_verify_together():
+    link, heard, planned = FakeLink(), [], []
+    rounds = DraftRounds(link, timeout_s=5, on_round=heard.append, plan=lambda jobs, replies: planned.append(len(jobs)))
+    sessions = [drafting(f"s{i}") for i in range(4)]
+    replies = run_round(rounds, sessions)
+    (stream,) = link.streams
+    assert len(stream.rounds) == 1  # one message for the four
+    kinds = [op.WhichOneof("op") for op in stream.rounds[0].ops]
+    assert kinds.count("open") == 4 and kinds.count("propose") == 4
+    assert all(r.replies[-1].proposal.batch_sessions == 4 and r.error == "" for r in replies)
+    # the target's batcher is told to expect all four verifies
+    assert [sorted(ids) for ids in heard] == [["s0", "s1", "s2", "s3"]] and planned == [4]
+    rounds.close()
+
+
+def test_a_stream_that_ended_between_rounds_is_replaced_and_its_sessions_stop_drafting():
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5)
+    old = drafting("old")
+    run_round(rounds, [old])
+    link.streams[0].ended = True  # the drafter went away between rounds
+    new = drafting("new")
+    lost, fresh = run_round(rounds, [old, new])
+    assert len(link.streams) == 2 and rounds.generation == 2
+    assert lost.replies is None and "lost" in lost.error  # its draft session died with the old stream
+    assert fresh.replies is not None and new.stream_generation == 2
+    rounds.close()
+
+
+def test_a_failed_round_fails_its_sessions_and_the_next_round_opens_a_new_stream():
+    link = FakeLink()
+    link.fail_next = True
+    rounds = DraftRounds(link, timeout_s=5)
+    (failed,) = run_round(rounds, [drafting("a")])
+    assert failed.replies is None and "UNAVAILABLE" in failed.error
+    (ok,) = run_round(rounds, [drafting("b")])
+    assert ok.replies is not None and len(link.streams) == 2
+    rounds.close()
