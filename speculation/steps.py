@@ -10,7 +10,6 @@ only; the client sees token ids and the StepReport.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
 from dspark_grpc.speculation.round_planner import predicted_accepted
+from dspark_grpc.speculation.tensors import first_rows, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
 
 
@@ -204,9 +204,10 @@ def fit_tree(tree: common_pb2.TokenTree, room: int) -> tuple[common_pb2.TokenTre
 def chain_confidences(tree: common_pb2.TokenTree, confidences: common_pb2.Tensor) -> list[float] | None:
     """The per-depth confidences of a chain that carries them (None for a tree or a chain without them)."""
     n = len(tree.tokens) - 1
-    if n < 1 or not confidences.data or list(tree.parents) != list(range(-1, n)):
+    values = float32_values(confidences)
+    if n < 1 or not values or list(tree.parents) != list(range(-1, n)):
         return None
-    return list(struct.unpack(f"<{len(confidences.data) // 4}f", confidences.data))[:n]
+    return values[:n]
 
 
 def cut_chain(planner: StepPlanner, tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
@@ -227,11 +228,5 @@ def cut_to_depth(tree: common_pb2.TokenTree, depth: int) -> common_pb2.TokenTree
     cut = common_pb2.TokenTree(tokens=tree.tokens[: depth + 1], parents=tree.parents[: depth + 1])
     for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
         if tree.HasField(name):
-            getattr(cut, name).CopyFrom(_first_rows(getattr(tree, name), depth + 1))
+            getattr(cut, name).CopyFrom(first_rows(getattr(tree, name), depth + 1))
     return cut
-
-
-def _first_rows(t: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
-    """The first `rows` rows of a tensor message (any dtype: bytes per row from its size)."""
-    row_bytes = len(t.data) // t.shape[0] if t.shape and t.shape[0] else 0
-    return common_pb2.Tensor(dtype=t.dtype, shape=[rows, *t.shape[1:]], data=t.data[: rows * row_bytes])
