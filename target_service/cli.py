@@ -36,10 +36,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tree-nodes", type=int, default=256)
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
-                   help="a dspark-draft service (host:port) that Generate speculates with")
+                   help="a dspark-draft service (host:port) the target speculates with, for its sessions' Steps "
+                        "(the SDK's) and Generate alike")
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
-                   help="Generate's decode mode when a request does not choose (adaptive = speculate when a drafter "
-                        "is configured)")
+                   help="the decode mode of a session or Generate request that does not choose (adaptive = "
+                        "speculate while it pays, when a drafter is configured)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) and of every "
                         "drafting session's steps (planner choices, draft ahead) at "

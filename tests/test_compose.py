@@ -94,7 +94,7 @@ def test_compose_services(compose_binary, tmp_path):
     command = client["command"]
     assert command[:2] == ["dspark", "generate"]
     options = dict(zip(command[2::2], command[3::2], strict=False))
-    assert options["--target"] == "target:50051" and options["--drafter"] == "draft:50052"
+    assert options["--target"] == "target:50051" and "--drafter" not in options  # the target drafts itself
     assert options["--mode"] == "speculation"
     assert json.loads(options["--messages"])[0]["role"] == "user"
     assert client["restart"] == "no"

@@ -204,12 +204,12 @@ def test_calibration_recovers_how_often_confident_drafts_are_right(truth):
 
 
 def test_adaptive_arms_take_prompt_lookup_beside_dspark_but_not_beside_hybrid():
-    from dspark_grpc.speculation.generation import SpeculationConfig
+    from dspark_grpc.speculation.steps import planner_arms
 
     def arms(default: int, asked: int = draft_pb2.PROPOSER_UNSPECIFIED) -> list[int]:
         info = draft_pb2.GetDrafterInfoResponse(default_proposer=default, proposers=[
             draft_pb2.PROPOSER_DSPARK, draft_pb2.PROPOSER_NGRAM, draft_pb2.PROPOSER_HYBRID])
-        return SpeculationConfig(drafter=None, info=info, proposer=asked).planner_arms()
+        return planner_arms(asked, info)
 
     assert arms(draft_pb2.PROPOSER_DSPARK) == [DSPARK, NGRAM]
     assert arms(draft_pb2.PROPOSER_HYBRID) == [draft_pb2.PROPOSER_HYBRID]  # hybrid already follows n-gram matches

@@ -64,7 +64,8 @@ def drafter() -> Iterator[Service]:
 
 @pytest.fixture(scope="module")
 def target(drafter: Service) -> Iterator[Service]:
-    """The default target; its Generate RPC speculates with the module's drafter."""
+    """The default target, started with `--drafter`: its sessions (Generate's and the SDK's Steps) speculate with the
+    module's drafter."""
     with service("target", ["--drafter", drafter.address, "--max-sessions", str(MAX_SESSIONS)]) as s:
         yield s
 

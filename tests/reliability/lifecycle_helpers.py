@@ -89,12 +89,13 @@ def join_all(threads: list[threading.Thread], timeout: float) -> list[int]:
     return [i for i, t in enumerate(threads) if t.is_alive()]
 
 
-def start_load(address: str, clients: list[TargetClient], max_new_tokens: int, n_rpc: int = 4):
-    """n_rpc Generate calls and one SDK stream per client, AR, all started; returns (outcomes, threads) once each
-    has its first tokens."""
+def start_load(address: str, clients: list[TargetClient], max_new_tokens: int, n_rpc: int = 4, mode: str = "ar"):
+    """n_rpc Generate calls and one SDK stream per client (mode "ar" or "speculation": the target drafts with its
+    drafter), all started; returns (outcomes, threads) once each has its first tokens."""
+    rpc_mode = {"ar": common_pb2.DECODE_MODE_AR, "speculation": common_pb2.DECODE_MODE_SPECULATION}[mode]
     calls = [(generate_rpc, (address, PROMPTS[i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True,
-                                                        mode=common_pb2.DECODE_MODE_AR)) for i in range(n_rpc)]
-    calls += [(sdk_stream, (c, PROMPTS[n_rpc + i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True, mode="ar"))
+                                                        mode=rpc_mode)) for i in range(n_rpc)]
+    calls += [(sdk_stream, (c, PROMPTS[n_rpc + i]), dict(max_new_tokens=max_new_tokens, ignore_eos=True, mode=mode))
               for i, c in enumerate(clients)]
     outcomes, threads = run_all(calls)
     for out in outcomes:

@@ -1,8 +1,13 @@
 """A seeded mutation fuzzer over every RPC and every session operation of both services: valid messages built from
 the live state (real session ids, pending tokens, lengths), then 0-3 field mutations to hostile values (range edges,
 NaN/inf, unknown enum numbers, huge repeated fields, other sessions' ids, switched oneofs), and raw protobuf bytes
-corrupted on the wire. Whatever is sent: no INTERNAL, UNKNOWN or UNAVAILABLE, no call past its deadline, both
-services SERVING afterwards with no session left, and a normal request afterwards identical to AR.
+corrupted on the wire. The target's sessions are opened with and without step_options and stepped (the target
+drafting with its own drafter); the drafter gets DraftRounds: rounds of its stream's ops, rounds naming sessions of
+other streams (another client's, the target's own draft sessions, which share the target's session ids) or unknown
+ids, rounds inside rounds, huge rounds. Whatever is sent: no INTERNAL, UNKNOWN or UNAVAILABLE (also per op of a
+round), no call past its deadline, another stream's session is always NOT_FOUND, a round inside a round is
+INVALID_ARGUMENT, both services SERVING afterwards with no session left, and a normal request afterwards identical
+to AR.
 
 >= 2,000 messages per run; `pytest --long` sends >= 50,000."""
 
@@ -39,6 +44,8 @@ BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAI
 BAD_CODES = {c.value[0] for c in BAD}
 MAX_LENGTH = 48  # every session and Generate stays short: cheap forwards
 MAX_STREAM_SESSIONS = 5
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 INT32 = [0, 1, -1, 2, 3, 7, 16, 17, 64, 255, 4096, 65535, 2**31 - 1, -2**31]
 INT64 = INT32 + [2**40, 2**63 - 1, -2**63]
@@ -46,6 +53,10 @@ UINT32 = [0, 1, 2, 255, 2**32 - 1]
 UINT64 = UINT32 + [2**63, 2**64 - 1]
 FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-30, 1e-45, 1e30, 3.4e38, math.nan, math.inf, -math.inf]
 ENUMS = [0, 1, 2, 3, 4, -1, 99, 2**31 - 1]
+
+
+def grpc_name(code: int) -> str:
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
 
 
 class Mutator:
@@ -200,7 +211,22 @@ class Campaign:
         self.failures: list[str] = []
         self.slowest = 0.0
         self.seconds: collections.Counter = collections.Counter()  # by kind of call
-        self.mutator = Mutator(self.rng, lambda: [*self.t_sessions, *self.d_sessions, *self.foreign[-4:]])
+        self.round_codes: collections.Counter = collections.Counter()  # of the ops inside DraftRounds
+        self.ok: collections.Counter = collections.Counter()  # OK replies by kind of call
+        self.drafted_steps = 0  # Steps of the fuzzer's sessions that verified a draft of the target's drafter
+        self.step_modes: collections.Counter = collections.Counter()  # what opened sessions step with, and why
+        # Another client's streams, each holding one session the fuzzer names but must never reach: a target session
+        # that steps with the drafter (so the target's draft session of the same id lives on the drafter, on the
+        # target's own stream), and a draft session.
+        self.other_t = Ops(self.t_stub.TargetSession, target_pb2.TargetSessionRequest, timeout=DEADLINE_S)
+        self.other_t_sid = self.other_t.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+            mode=common_pb2.DECODE_MODE_SPECULATION))).session_id
+        self.other_t.ok(prefill=target_pb2.Prefill(session_id=self.other_t_sid, prompt=common_pb2.Prompt(text="Hi")))
+        assert self.other_t.ok(step=target_pb2.Step(session_id=self.other_t_sid)).report.draft_depth > 0
+        self.other_d = Ops(self.d_stub.DraftSession, draft_pb2.DraftSessionRequest, timeout=DEADLINE_S)
+        self.other_d_sid = self.other_d.ok(open=draft_pb2.OpenDraft(target=self.d_info.target)).session_id
+        self.mutator = Mutator(self.rng, lambda: [*self.t_sessions, *self.d_sessions, *self.foreign[-4:],
+                                                  self.other_t_sid, self.other_d_sid])
         self.reopen()
 
     def reopen(self) -> None:
@@ -211,31 +237,49 @@ class Campaign:
         self.t_sessions, self.d_sessions = {}, {}
         self.t_ops = Ops(self.t_stub.TargetSession, target_pb2.TargetSessionRequest, timeout=DEADLINE_S)
         self.d_ops = Ops(self.d_stub.DraftSession, draft_pb2.DraftSessionRequest, timeout=DEADLINE_S)
+        self.speculating_session()
+
+    def speculating_session(self) -> None:
+        """A well-formed session that steps with the target's drafter, stepped once, for the fuzzer to work on."""
+        opened = self.session_op(self.t_ops, "target open", dict(open=target_pb2.OpenSession(
+            step_options=target_pb2.StepOptions(mode=common_pb2.DECODE_MODE_SPECULATION))), mutate=False)
+        if opened is None or opened.status.code:
+            return
+        sid = opened.opened.session_id
+        self.t_sessions[sid] = {"pending": None, "length": 0}
+        prefilled = self.session_op(self.t_ops, "target prefill", dict(prefill=target_pb2.Prefill(
+            session_id=sid, prompt=common_pb2.Prompt(text="The capital of France is"))), mutate=False)
+        if prefilled is not None and not prefilled.status.code:
+            self.t_sessions[sid] = {"pending": prefilled.prefilled.next_token,
+                                    "length": len(prefilled.prefilled.prompt_tokens)}
+            self.track_step(sid, self.session_op(self.t_ops, "target step", dict(step=target_pb2.Step(
+                session_id=sid)), mutate=False))
 
     def close(self) -> None:
-        self.t_ops.close()
-        self.d_ops.close()
+        for ops in (self.t_ops, self.d_ops, self.other_t, self.other_d):
+            ops.close()
         self.t_channel.close()
         self.d_channel.close()
 
     # -- recording ----------------------------------------------------------------------------------
 
     def record(self, what: str, code: int, detail: str, seconds: float, request: Message | bytes) -> None:
-        self.codes[next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))] += 1
+        self.codes[grpc_name(code)] += 1
         self.slowest = max(self.slowest, seconds)
         self.seconds[what.split(" (")[0]] += seconds
+        self.ok[what.split(" (")[0]] += code == 0
         if code in BAD_CODES or seconds > DEADLINE_S:
             self.failures.append(f"{what}: code {code} after {seconds:.1f} s: {detail[:300]}\n  request: "
                                  f"{str(request)[:600]!r}")
 
-    def session_op(self, ops: Ops, what: str, op: dict[str, Message]) -> Message | None:
-        name, body = next(iter(op.items()))
+    def session_op(self, ops: Ops, what: str, op: dict[str, Message], mutate: bool = True) -> Message | None:
         request = ops.request_type(request_id=ops.next_id + 1, **op)
-        if self.rng.random() < 0.8:
+        if mutate and self.rng.random() < 0.8:
             for _ in range(self.rng.choice([0, 1, 1, 2, 3])):
                 self.mutator.mutate(getattr(request, request.WhichOneof("op")) if request.WhichOneof("op") and
                                     self.rng.random() < 0.9 else request)
         ops.next_id += 1
+        self.sent = request
         t0 = time.monotonic()
         try:
             response = ops.stream.call(request, timeout=DEADLINE_S)
@@ -244,7 +288,53 @@ class Campaign:
             self.reopen()
             return None
         self.record(what, response.status.code, response.status.message, time.monotonic() - t0, request)
+        self.check_owned(what, request, response)
         return response
+
+    def foreign_ids(self, draft: bool) -> set[str]:
+        """Ids of live sessions of other streams, unreachable from the fuzzer's stream (an id the fuzzer's own draft
+        stream has opened under, e.g. one of the target's, is its own)."""
+        if draft:
+            return {self.other_d_sid, self.other_t_sid, *self.t_sessions} - set(self.d_sessions)
+        return {self.other_t_sid}
+
+    def check_owned(self, what: str, request: Message, response: Message, own: frozenset | set = frozenset()
+                    ) -> None:
+        """Another stream's session is NOT_FOUND, whatever else the op holds; a round inside a round is
+        INVALID_ARGUMENT, and a round answers each of its ops, in order, with the op's request id."""
+        draft = isinstance(request, draft_pb2.DraftSessionRequest)
+        name = request.WhichOneof("op")
+        if name == "round":
+            ops = list(request.round.ops)
+            if any(op.WhichOneof("op") == "round" for op in ops):
+                if response.status.code != INVALID_ARGUMENT:
+                    self.failures.append(f"{what}: a round inside a round got code {response.status.code}: "
+                                         f"{response.status.message[:200]}")
+                return
+            if response.status.code:
+                return
+            results = list(response.round.results)
+            if [r.request_id for r in results] != [op.request_id for op in ops]:
+                self.failures.append(f"{what}: {len(results)} results for {len(ops)} ops, or out of order")
+                return
+            # sessions the round itself opens are the stream's own: for the ops after the open, and for every
+            # proposal (the round's proposals run after its other ops)
+            opens = [r.opened.session_id if op.WhichOneof("op") == "open" and not r.status.code else None
+                     for op, r in zip(ops, results, strict=True)]
+            for i, (op, result) in enumerate(zip(ops, results, strict=True)):
+                inner = f"{what}: op {op.WhichOneof('op')}"
+                self.round_codes[result.status.code] += 1
+                if result.status.code in BAD_CODES:
+                    self.failures.append(f"{inner}: code {result.status.code}: {result.status.message[:300]}\n  "
+                                         f"op: {str(op)[:600]!r}")
+                self.check_owned(inner, op, result, own=set(opens if op.WhichOneof("op") == "propose" else opens[:i]))
+            return
+        if name in (None, "open"):
+            return
+        sid = getattr(request, name).session_id  # looked up (with the stream as owner) before anything else
+        if sid in self.foreign_ids(draft) - own and response.status.code != NOT_FOUND:
+            self.failures.append(f"{what}: another stream's session {sid!r} answered with code "
+                                 f"{response.status.code} ({response.status.message[:200]})")
 
     def unary(self, what: str, call: Callable, request) -> None:
         t0 = time.monotonic()
@@ -268,15 +358,26 @@ class Campaign:
         r, s = self.rng, self.t_sessions
         if len(s) > MAX_STREAM_SESSIONS:
             sid = next(iter(s))
-            self.session_op(self.t_ops, "target release", dict(release=target_pb2.Release(session_id=sid)))
+            self.session_op(self.t_ops, "target release", dict(release=target_pb2.Release(session_id=sid)),
+                            mutate=False)  # as sent: the fuzzer's record of its sessions stays true
             s.pop(sid, None)
             return
-        kind = r.choice(["open", "prefill", "prefill", "verify", "verify", "verify", "commit", "rollback", "release"])
+        kind = r.choice(["open", "open", "prefill", "prefill", "verify", "verify", "step", "step", "step", "commit",
+                         "rollback", "release"])
         if kind == "open" or not s:
             layers = r.choice([[], self.layers])
             fp = self.t_info.fingerprint if r.random() < 0.7 else common_pb2.Fingerprint()
             op = dict(open=target_pb2.OpenSession(capture_layer_ids=layers, drafter_target=fp,
                                                   max_length=r.choice([0, 0, 24])))
+            if r.random() < 0.7:  # steps with the target's drafter (it feeds the drafter itself: no layers asked)
+                op["open"].step_options.CopyFrom(target_pb2.StepOptions(
+                    mode=r.choice([0, 1, 2, 2, 2, 3]), proposal=r.choice([0, 1, 2]), budget=r.choice([0, 0, 2, 4, 16]),
+                    kernel=r.choice([0, 2]), proposer=r.choice([0, 1, 2, 3])))
+                if r.random() < 0.85:
+                    op["open"].ClearField("capture_layer_ids")
+                    op["open"].ClearField("drafter_target")
+        elif kind == "step":
+            op = dict(step=target_pb2.Step(session_id=self.pick(s, lambda x: x["pending"] is not None)))
         elif kind == "prefill":
             prompts = [common_pb2.Prompt(text=r.choice(["Hi", "The capital of France is", "def f(x):"])),
                        common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
@@ -318,6 +419,7 @@ class Campaign:
         sid = getattr(next(iter(op.values())), "session_id", "")
         if result == "opened":
             s[body.session_id] = {"pending": None, "length": 0}
+            self.step_modes[(common_pb2.DecodeMode.Name(body.step_mode), body.fallback_reason[:60])] += 1
         elif result == "prefilled" and sid in s:
             s[sid] = {"pending": body.next_token, "length": len(body.prompt_tokens)}
         elif result == "verified" and sid in s and body.committed:
@@ -326,8 +428,19 @@ class Campaign:
             s[sid] = {"pending": op["commit"].next_token, "length": body.length}
         elif result == "rolled_back" and sid in s:
             s[sid] = {"pending": body.pending_token, "length": body.length}
+        elif result == "stepped":
+            self.track_step(sid, response)
         elif result == "released":
             s.pop(sid, None)
+
+    def track_step(self, sid: str, response: target_pb2.TargetSessionResponse | None) -> None:
+        if response is None or response.status.code or sid not in self.t_sessions:
+            return
+        body = response.stepped
+        self.t_sessions[sid] = {"pending": body.next_token, "length": body.length}
+        self.drafted_steps += body.report.draft_depth > 0
+        if body.report.fallback_reason:
+            self.step_modes[("step", body.report.fallback_reason[:60])] += 1
 
     # -- draft session ops ----------------------------------------------------------------------------
 
@@ -335,13 +448,49 @@ class Campaign:
         r, s = self.rng, self.d_sessions
         if len(s) > MAX_STREAM_SESSIONS:
             sid = next(iter(s))
-            self.session_op(self.d_ops, "draft release", dict(release=draft_pb2.ReleaseDraft(session_id=sid)))
+            self.session_op(self.d_ops, "draft release", dict(release=draft_pb2.ReleaseDraft(session_id=sid)),
+                            mutate=False)
             s.pop(sid, None)
             return
-        kind = r.choice(["open", "append", "append", "propose", "propose", "propose", "truncate", "release"])
-        if kind == "open" or not s:
-            op = dict(open=draft_pb2.OpenDraft(target=self.d_info.target, protocol_version=r.choice([0, 1])))
-        elif kind == "append":
+        kind = r.choice(["open", "append", "append", "propose", "propose", "propose", "truncate", "release", "round",
+                         "round"])
+        if kind == "round" and s:
+            op = dict(round=self.draft_round())
+        else:
+            op = self.draft_op("open" if not s else kind, dict(s))
+            kind = next(iter(op))
+        response = self.session_op(self.d_ops, f"draft {kind}", op)
+        if response is None or response.status.code:
+            return
+        # what was sent (mutated: another op, or a round, may have taken the op's place) and what came back
+        if self.sent.WhichOneof("op") == "round":
+            for sent, result in zip(self.sent.round.ops, response.round.results, strict=False):
+                if sent.WhichOneof("op"):
+                    self.track_draft(getattr(sent, sent.WhichOneof("op")), result)
+        elif self.sent.WhichOneof("op"):
+            self.track_draft(getattr(self.sent, self.sent.WhichOneof("op")), response)
+
+    def track_draft(self, op: Message, response: draft_pb2.DraftSessionResponse) -> None:
+        s = self.d_sessions
+        if response.status.code:
+            return
+        result = response.WhichOneof("result")
+        body = getattr(response, result)
+        sid = getattr(op, "session_id", "")
+        if result == "opened":
+            s[body.session_id] = 0
+        elif result in ("appended", "truncated") and sid in s:
+            s[sid] = body.length
+        elif result == "released":
+            s.pop(sid, None)
+
+    def draft_op(self, kind: str, lengths: dict[str, int]) -> dict[str, Message]:
+        """One valid op of the fuzzer's draft stream; `lengths` (a session's context as the op will find it) is
+        updated by appends and truncates."""
+        r, s = self.rng, lengths
+        if kind == "open":
+            return dict(open=draft_pb2.OpenDraft(target=self.d_info.target, protocol_version=r.choice([0, 1])))
+        if kind == "append":
             sid = self.pick(s)
             start, n = s.get(sid, 0), r.randint(1, 6)
             rows = torch.randn(n, len(self.layers), self.t_info.hidden_size, generator=self.gen)
@@ -349,32 +498,65 @@ class Campaign:
                 rows[r.randrange(n)].view(-1)[r.randrange(rows[0].numel())] = r.choice([math.nan, math.inf, 3e38])
             rows = rows.to(torch.bfloat16)
             capture = common_pb2.HiddenCapture(layer_ids=self.layers, start_position=start, rows=to_proto(rows))
-            op = dict(append=draft_pb2.AppendContext(session_id=sid, start_position=start, capture=capture,
-                                                     tokens=[r.randrange(49152) for _ in range(n)]))
-        elif kind == "propose":
+            s[sid] = start + n
+            return dict(append=draft_pb2.AppendContext(session_id=sid, start_position=start, capture=capture,
+                                                       tokens=[r.randrange(49152) for _ in range(n)]))
+        if kind == "propose":
             sid = self.pick(s, lambda length: length > 0)
             sampling = r.choice([common_pb2.SamplingParams(), common_pb2.SamplingParams(temperature=0.8, seed=3)])
-            op = dict(propose=draft_pb2.Propose(session_id=sid, anchor_token=r.randrange(49152),
-                                                anchor_position=s.get(sid, 0), kind=r.choice([0, 1, 2]),
-                                                budget=r.choice([0, 1, 4, 8]), proposer=r.choice([0, 1, 2, 3]),
-                                                kernel=r.choice([0, 2]), sampling=sampling))
-        elif kind == "truncate":
+            return dict(propose=draft_pb2.Propose(session_id=sid, anchor_token=r.randrange(49152),
+                                                  anchor_position=s.get(sid, 0), kind=r.choice([0, 1, 2]),
+                                                  budget=r.choice([0, 1, 4, 8]), proposer=r.choice([0, 1, 2, 3]),
+                                                  kernel=r.choice([0, 2]), sampling=sampling))
+        if kind == "truncate":
             sid = self.pick(s)
-            op = dict(truncate=draft_pb2.TruncateContext(session_id=sid, length=r.randint(0, s.get(sid, 0))))
-        else:
-            op = dict(release=draft_pb2.ReleaseDraft(session_id=self.pick(s)))
-        response = self.session_op(self.d_ops, f"draft {kind}", op)
-        if response is None or response.status.code:
-            return
-        result = response.WhichOneof("result")
-        body = getattr(response, result)
-        sid = getattr(next(iter(op.values())), "session_id", "")
-        if result == "opened":
-            s[body.session_id] = 0
-        elif result in ("appended", "truncated") and sid in s:
-            s[sid] = body.length
-        elif result == "released":
-            s.pop(sid, None)
+            s[sid] = r.randint(0, s.get(sid, 0))
+            return dict(truncate=draft_pb2.TruncateContext(session_id=sid, length=s[sid]))
+        return dict(release=draft_pb2.ReleaseDraft(session_id=self.pick(s)))
+
+    def draft_round(self) -> draft_pb2.DraftRound:
+        """What a target sends its drafter: ops of this stream's sessions (proposals drafted together), some naming
+        another stream's session or an unknown id; or a round inside a round; or a huge round."""
+        r = self.rng
+        strangers = lambda: [*self.foreign_ids(True), *self.foreign[-4:], "no-such-session"]  # noqa: E731
+        variant = r.choices(["ops", "nested", "huge", "oversized"], weights=[16, 2, 2, 1])[0]
+        ops: list[draft_pb2.DraftSessionRequest] = []
+        lengths = dict(self.d_sessions)
+        kinds = ["open", "append", "append", "propose", "propose", "propose", "truncate", "release"]
+        if variant in ("ops", "nested"):
+            for _ in range(r.randint(1, 6)):
+                op = self.draft_op(r.choice(kinds), lengths)
+                body = next(iter(op.values()))
+                if "session_id" in body.DESCRIPTOR.fields_by_name and r.random() < 0.25:
+                    body.session_id = r.choice(strangers())
+                ops.append(draft_pb2.DraftSessionRequest(**op))
+            if variant == "nested":
+                inner = draft_pb2.DraftRound(ops=ops[: r.randint(0, len(ops))])
+                if r.random() < 0.3:  # deeper still
+                    inner = draft_pb2.DraftRound(ops=[draft_pb2.DraftSessionRequest(round=inner)])
+                ops.insert(r.randrange(len(ops) + 1), draft_pb2.DraftSessionRequest(round=inner))
+        elif variant == "huge":  # thousands of cheap ops on other streams' or unknown sessions, a few on its own
+            ids = strangers()
+            for _ in range(r.choice([500, 2000, 5000])):
+                sid = r.choice(ids)
+                ops.append(r.choice([
+                    draft_pb2.DraftSessionRequest(release=draft_pb2.ReleaseDraft(session_id=sid)),
+                    draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(session_id=sid)),
+                    draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(session_id=sid, anchor_token=1)),
+                    draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(session_id=sid, tokens=[1, 2])),
+                    draft_pb2.DraftSessionRequest(open=draft_pb2.OpenDraft(target=self.d_info.target,
+                                                                           session_id=sid)),
+                    draft_pb2.DraftSessionRequest()]))
+            for _ in range(r.randint(0, 8)):
+                ops.insert(r.randrange(len(ops) + 1), draft_pb2.DraftSessionRequest(
+                    **self.draft_op(r.choice(kinds), lengths)))
+        else:  # more bytes than the drafter takes in one message (--max-message-bytes 4 MiB)
+            for _ in range(2):
+                ops.append(draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(
+                    session_id=self.pick(lengths), tokens=[49151] * (1 << 20))))
+        for i, op in enumerate(ops):
+            op.request_id = i + 1
+        return draft_pb2.DraftRound(ops=ops)
 
     # -- unary RPCs, Generate, raw bytes ----------------------------------------------------------------
 
@@ -410,10 +592,24 @@ class Campaign:
                   ("/dspark.v1.TargetService/Generate", "unary_stream", target_pb2.GenerateRequest(
                       prompt=common_pb2.Prompt(text="Hi"), max_new_tokens=1)),
                   ("/dspark.v1.TargetService/TargetSession", "stream_stream", target_pb2.TargetSessionRequest(
-                      request_id=1, open=target_pb2.OpenSession()))]
+                      request_id=1, open=target_pb2.OpenSession())),
+                  ("/dspark.v1.TargetService/TargetSession", "stream_stream", target_pb2.TargetSessionRequest(
+                      request_id=1, open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+                          mode=common_pb2.DECODE_MODE_SPECULATION, proposal=draft_pb2.PROPOSAL_KIND_TREE,
+                          budget=4)))),
+                  ("/dspark.v1.TargetService/TargetSession", "stream_stream", target_pb2.TargetSessionRequest(
+                      request_id=1, step=target_pb2.Step(session_id=self.other_t_sid)))]
         draft = [("/dspark.v1.DraftService/GetDrafterInfo", "unary_unary", draft_pb2.GetDrafterInfoRequest()),
                  ("/dspark.v1.DraftService/DraftSession", "stream_stream", draft_pb2.DraftSessionRequest(
-                     request_id=1, open=draft_pb2.OpenDraft(target=self.d_info.target)))]
+                     request_id=1, open=draft_pb2.OpenDraft(target=self.d_info.target))),
+                 ("/dspark.v1.DraftService/DraftSession", "stream_stream", draft_pb2.DraftSessionRequest(
+                     request_id=1, round=draft_pb2.DraftRound(ops=[
+                         draft_pb2.DraftSessionRequest(request_id=2, open=draft_pb2.OpenDraft(
+                             target=self.d_info.target, session_id="raw")),
+                         draft_pb2.DraftSessionRequest(request_id=3, append=draft_pb2.AppendContext(
+                             session_id="raw", tokens=[1, 2, 3])),
+                         draft_pb2.DraftSessionRequest(request_id=4, propose=draft_pb2.Propose(
+                             session_id="raw", anchor_token=1, anchor_position=3))])))]
         channel, (method, shape, msg) = r.choice([(self.t_channel, x) for x in target] +
                                                  [(self.d_channel, x) for x in draft])
         data = self.mutator.corrupt(msg.SerializeToString())
@@ -455,6 +651,13 @@ def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Servi
     assert sum(campaign.codes.values()) >= n
     assert not campaign.failures, f"{len(campaign.failures)} bad replies:\n" + "\n".join(campaign.failures[:20])
     assert campaign.codes["OK"] > n // 10 and campaign.codes["INVALID_ARGUMENT"] > n // 10  # it went both ways
+    print(f"steps: {campaign.ok['target step']} OK, {campaign.drafted_steps} of them verified a draft; rounds: "
+          f"{campaign.ok['draft round']} OK, their ops: "
+          f"{ {grpc_name(c): k for c, k in campaign.round_codes.most_common()} }; sessions opened and steps' "
+          f"fallbacks: {campaign.step_modes.most_common(8)}")
+    # the new paths were reached: Steps that drafted, rounds whose ops ran and met other streams' sessions
+    assert campaign.drafted_steps > 0 and campaign.ok["draft round"] > 0
+    assert campaign.round_codes[0] > 0 and campaign.round_codes[NOT_FOUND] > 0
     # a refused request is one log line, never a traceback
     for name in ("target.log", "draft.log"):
         text = (logs / name).read_text()

@@ -2,14 +2,15 @@
 
 - a cancel/close/deadline storm: 16 clients x 10 requests that walk away in every way a caller can (the SDK's
   deadline, breaking out of a stream, closing the client mid-request, asyncio cancellation, a Generate RPC's
-  deadline or cancel). Every call returns within its deadline (or the moment it was abandoned) + 2 s, no session
-  is left on either service (GetModelInfo / GetDrafterInfo and /metrics), and a normal request afterwards is AR's;
-- the drafter stalled (SIGSTOP) or killed (SIGKILL) under 8 concurrent speculative requests: every request
-  finishes with AR's tokens, AR requests never wait on the drafter, sessions are freed, and Generate speculates
-  again soon after the drafter is back. The target runs with `--draft-timeout 0` (no bound per drafter call):
-  requests under way when the drafter stalls can then only finish because the target's health probe of the
-  drafter drops it, which is what is tested. The SDK clients speculate with the drafter directly, with their own
-  draft timeout;
+  deadline or cancel), all speculating through the target's drafter. Every call returns within its deadline (or the
+  moment it was abandoned) + 2 s, no session is left on either service (GetModelInfo / GetDrafterInfo and
+  /metrics), and a normal request afterwards is AR's;
+- the drafter stalled (SIGSTOP) or killed (SIGKILL) under 8 concurrent speculative requests (6 Generate calls, 2 SDK
+  streams: both run the same loop of Steps, the target drafting with its own drafter): every request finishes with
+  AR's tokens, AR requests never wait on the drafter, sessions are freed, and the target speculates again soon after
+  the drafter is back. The target runs with `--draft-timeout 0` (no bound per drafter round): requests under way
+  when the drafter stalls can then only finish because the target's health probe of the drafter drops it, which is
+  what is tested;
 - the target killed (SIGKILL) under load: every Generate and SDK call ends with UNAVAILABLE at once.
 """
 
@@ -83,11 +84,12 @@ def target(drafter: Service, ports) -> Iterator[Service]:
         yield s
 
 
-def _gauge(port: int, name: str) -> float:
+def _gauge(port: int, name: str, labelled: bool = False) -> float:
+    """A metric's value; summed over its label sets when it has labels (0 before the first one exists)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert values or labelled, f"{name} not in /metrics"
+    return sum(float(v) for v in values)
 
 
 def _code(e: BaseException) -> str:
@@ -109,7 +111,7 @@ class Storm:
             self.results.append((kind, ending, late))
 
     def client(self, **kwargs) -> TargetClient:
-        return TargetClient(self.target.address, drafter=self.drafter.address, draft_timeout=5, **kwargs)
+        return TargetClient(self.target.address, **kwargs)
 
     def run_client(self, i: int) -> None:
         client = self.client(timeout=60)
@@ -124,6 +126,7 @@ class Storm:
                 elif kind == "sdk_break":
                     steps = client.stream(prompt, max_new_tokens=200, ignore_eos=True, mode="speculation")
                     next(steps)
+                    next(steps)  # after a Step: the target has drafted for this session
                     t_quit = time.monotonic()
                     steps.close()
                     self.record(kind, "abandoned", time.monotonic() - t_quit)
@@ -142,8 +145,7 @@ class Storm:
                     client = self.client(timeout=60)
                 elif kind == "aio_cancel":
                     async def cancelled(prompt: str = prompt) -> None:
-                        async with AsyncTargetClient(self.target.address, drafter=self.drafter.address,
-                                                     draft_timeout=5, timeout=60) as c:
+                        async with AsyncTargetClient(self.target.address, timeout=60) as c:
                             await asyncio.wait_for(c.generate(prompt, max_new_tokens=200, ignore_eos=True,
                                                               mode="speculation"), DEADLINE)
                     try:
@@ -164,6 +166,7 @@ class Storm:
                         else:
                             call = stub.Generate(request, timeout=60)
                             next(call)
+                            next(call)  # after a Step: the target has drafted for this request
                             t_quit = time.monotonic()
                             call.cancel()
                             self.record(kind, "abandoned", time.monotonic() - t_quit)
@@ -176,6 +179,7 @@ def test_cancel_close_deadline_storm_leaves_no_session(target, drafter, ports):
     with TargetClient(target.address) as ar:
         reference = ar.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True, mode="ar").token_ids
     rss0 = rss_mb(target.pid), rss_mb(drafter.pid)
+    proposals0 = _gauge(ports["draft_metrics"], "dspark:draft_proposals_total", labelled=True)
     storm = Storm(target, drafter)
     t0 = time.monotonic()
     threads = [threading.Thread(target=storm.run_client, args=(i,), daemon=True) for i in range(CLIENTS)]
@@ -188,6 +192,8 @@ def test_cancel_close_deadline_storm_leaves_no_session(target, drafter, ports):
     storm_seconds = time.monotonic() - t0
 
     assert len(storm.results) == CLIENTS * REQUESTS
+    proposals = _gauge(ports["draft_metrics"], "dspark:draft_proposals_total", labelled=True) - proposals0
+    assert proposals > 0, "the storm's requests never reached the drafter"
     assert {e for _, e, _ in storm.results} <= ENDINGS, sorted({e for _, e, _ in storm.results} - ENDINGS)
     late = [(k, e, round(s, 2)) for k, e, s in storm.results if s > SLACK]
     assert not late, f"calls that returned more than {SLACK:g} s past their deadline: {late}"
@@ -196,7 +202,7 @@ def test_cancel_close_deadline_storm_leaves_no_session(target, drafter, ports):
     assert _gauge(ports["target_metrics"], "dspark:target_live_sessions") == 0
     assert _gauge(ports["draft_metrics"], "dspark:draft_live_sessions") == 0
 
-    with TargetClient(target.address, drafter=drafter.address) as client:
+    with TargetClient(target.address) as client:
         after = client.generate(PROMPTS[0], max_new_tokens=24, ignore_eos=True, mode="speculation")
     assert after.token_ids == reference and after.stats.speculative_steps > 0
     rss1 = rss_mb(target.pid), rss_mb(drafter.pid)
@@ -205,7 +211,8 @@ def test_cancel_close_deadline_storm_leaves_no_session(target, drafter, ports):
         by_kind.setdefault(k, []).append(s)
     print(f"\nstorm: {CLIENTS}x{REQUESTS} calls in {storm_seconds:.1f} s; latest return past the bound by kind: "
           + ", ".join(f"{k} {max(v):+.2f} s" for k, v in sorted(by_kind.items()))
-          + f"; endings {Counter(e for _, e, _ in storm.results)}; sessions 0 on both {freed:.2f} s after; "
+          + f"; endings {Counter(e for _, e, _ in storm.results)}; {proposals:.0f} proposals drafted; sessions 0 on "
+          f"both {freed:.2f} s after; "
           f"RSS target {rss0[0]:.0f} -> {rss1[0]:.0f} MiB, drafter {rss0[1]:.0f} -> {rss1[1]:.0f} MiB")
 
 
@@ -250,8 +257,7 @@ def _ar_seconds(address: str) -> Outcome:
 
 
 def test_drafter_sigstop_costs_no_tokens_and_ar_never_waits(target, drafter, reference):
-    clients = [TargetClient(target.address, drafter=drafter.address, draft_timeout=5, timeout=300)
-               for _ in range(2)]
+    clients = [TargetClient(target.address, timeout=300) for _ in range(2)]
     outcomes, threads = _speculate(target, drafter, clients)
     drafter.process.send_signal(signal.SIGSTOP)
     try:
@@ -282,8 +288,7 @@ def test_drafter_sigstop_costs_no_tokens_and_ar_never_waits(target, drafter, ref
 
 
 def test_drafter_sigkill_costs_no_tokens_and_speculation_resumes(target, drafter, ports, reference):
-    clients = [TargetClient(target.address, drafter=drafter.address, draft_timeout=5, timeout=300)
-               for _ in range(2)]
+    clients = [TargetClient(target.address, timeout=300) for _ in range(2)]
     outcomes, threads = _speculate(target, drafter, clients)
     t_kill = time.monotonic()
     drafter.process.kill()

@@ -1,6 +1,8 @@
-"""Stopping the target under load with SIGTERM: it drains (health answers NOT_SERVING meanwhile, new calls are
-refused with UNAVAILABLE, an open health Watch does not hold the exit); calls still running at the grace period's
-end get a clear status. Nothing hangs. Each test stops its own target (SIGKILL: test_lifecycle.py)."""
+"""Stopping the target under speculative load with SIGTERM: it drains (health answers NOT_SERVING meanwhile, new
+calls are refused with UNAVAILABLE, neither an open health Watch nor the target's own stream to its drafter holds
+the exit); calls still running at the grace period's end get a clear status, and the drafter frees the sessions the
+target held there. Nothing hangs. Each test stops its own target, started with the module's drafter (SIGKILL:
+test_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability.conftest import health, service, wait_until
+from tests.reliability.conftest import Service, drafter_info, health, service, wait_until
 from tests.reliability.lifecycle_helpers import join_all, start_load
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -29,9 +31,19 @@ def _exit_seconds(proc, t0: float, bound: float) -> float:
     return time.monotonic() - t0
 
 
-def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
+def _drafting(drafter: Service) -> None:
+    """Wait until the target drafts for the load (its draft sessions are open on the drafter)."""
+    wait_until(lambda: drafter_info(drafter.address).live_sessions > 0, 60, "the target's sessions drafting")
+
+
+def _drafter_freed(drafter: Service) -> None:
+    wait_until(lambda: drafter_info(drafter.address).live_sessions == 0, 30,
+               "the drafter freed the stopped target's sessions")
+
+
+def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it(drafter: Service):
     grace = 120.0
-    with service("target", ["--grace", str(grace)]) as target:
+    with service("target", ["--grace", str(grace), "--drafter", drafter.address]) as target:
         watched: list[int] = []
         watch_channel = grpc.insecure_channel(target.address)
         watch = health_pb2_grpc.HealthStub(watch_channel).Watch(health_pb2.HealthCheckRequest(), timeout=grace * 2)
@@ -42,7 +54,7 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
         sid = _ok(held, 1, open=target_pb2.OpenSession()).opened.session_id
         pre = _ok(held, 2, prefill=target_pb2.Prefill(session_id=sid, prompt=common_pb2.Prompt(text="Hello"))).prefilled
         clients = [TargetClient(target.address, timeout=300) for _ in range(2)]
-        outcomes, threads = start_load(target.address, clients, max_new_tokens=24)
+        outcomes, threads = start_load(target.address, clients, max_new_tokens=24, mode="speculation")
 
         t_term = time.monotonic()
         target.process.send_signal(signal.SIGTERM)
@@ -61,6 +73,8 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
         assert not hung, f"calls {hung} never returned: {[len(o.token_ids) for o in outcomes]} tokens"
         assert all(o.code == 0 for o in outcomes), [(o.code, o.message) for o in outcomes]
         assert [len(o.token_ids) for o in outcomes] == [24] * len(outcomes)
+        # the draining target kept drafting with its drafter
+        assert all(o.stats.speculative_steps > 0 for o in outcomes), [o.stats.fallback_reason for o in outcomes]
         assert target.process.poll() is None, "the target exited while a stream was still open"
 
         held.close()
@@ -70,6 +84,7 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
         assert NOT_SERVING in watched
         assert t_term + exited - t_last < 15, f"exit {exited:.1f} s after SIGTERM, the last call ended at " \
                                               f"{t_last - t_term:.1f} s"
+        _drafter_freed(drafter)
         print(f"\nSIGTERM drain: last call ended {t_last - t_term:.2f} s, exit {exited:.2f} s after SIGTERM "
               f"(grace {grace:g} s, a health Watch open)")
         for c in clients:
@@ -78,11 +93,12 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it():
         watch_channel.close()
 
 
-def test_sigterm_past_the_grace_period_ends_every_call_with_a_status():
+def test_sigterm_past_the_grace_period_ends_every_call_with_a_status(drafter: Service):
     grace = 2.0
-    with service("target", ["--grace", str(grace)]) as target:
+    with service("target", ["--grace", str(grace), "--drafter", drafter.address]) as target:
         clients = [TargetClient(target.address, timeout=300) for _ in range(4)]
-        outcomes, threads = start_load(target.address, clients, max_new_tokens=4000)
+        outcomes, threads = start_load(target.address, clients, max_new_tokens=4000, mode="speculation")
+        _drafting(drafter)
         t_term = time.monotonic()
         target.process.send_signal(signal.SIGTERM)
         hung = join_all(threads, grace + 10)
@@ -93,6 +109,7 @@ def test_sigterm_past_the_grace_period_ends_every_call_with_a_status():
         assert codes == [UNAVAILABLE] * len(outcomes), [(o.code, o.message) for o in outcomes]
         assert all("grace period" in o.message for o in outcomes), [o.message for o in outcomes]
         ends = [o.t_end - t_term for o in outcomes]
+        _drafter_freed(drafter)
         print(f"\nSIGTERM, grace {grace:g} s: calls ended {min(ends):.2f}-{max(ends):.2f} s after it, codes "
               f"{sorted(set(codes))}, exit {exited:.2f} s")
         for c in clients:

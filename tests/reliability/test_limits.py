@@ -103,6 +103,20 @@ def test_generate_refuses_unknown_enums_and_bad_numbers(channel: grpc.Channel, f
     assert error.code() == INVALID and what in error.details(), error.details()
 
 
+@pytest.mark.parametrize("options, what", [
+    (dict(mode=99), "step_options.mode"),
+    (dict(proposal=99), "step_options.proposal"),
+    (dict(kernel=99), "step_options.kernel"),
+    (dict(proposer=99), "step_options.proposer"),
+    (dict(budget=-1), "step_options.budget"),
+])
+def test_open_refuses_unknown_step_options(channel: grpc.Channel, options: dict, what: str):
+    ops = target_ops(channel)
+    response = ops(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(**options)))
+    assert response.status.code == INVALID.value[0] and what in response.status.message, response.status.message
+    ops.close()
+
+
 def test_draft_session_refuses_bad_values(target: Service, ngram_drafter: Service):
     fp = target_info(target.address).fingerprint
     with grpc.insecure_channel(ngram_drafter.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
@@ -180,16 +194,73 @@ def test_undecodable_bytes_are_invalid_argument(channel: grpc.Channel, method: s
 
 def test_a_session_belongs_to_the_stream_that_opened_it(channel: grpc.Channel):
     owner, other = target_ops(channel), target_ops(channel)
-    sid = owner.ok(open=target_pb2.OpenSession()).session_id
+    sid = owner.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+        mode=common_pb2.DECODE_MODE_SPECULATION))).session_id
     for op in (dict(prefill=target_pb2.Prefill(session_id=sid, prompt=common_pb2.Prompt(text="Hi"))),
+               dict(step=target_pb2.Step(session_id=sid)),
                dict(rollback=target_pb2.Rollback(session_id=sid, length=1)),
                dict(release=target_pb2.Release(session_id=sid))):
         response = other(**op)
         assert response.status.code == grpc.StatusCode.NOT_FOUND.value[0], (op, response.status.message)
     assert owner.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=common_pb2.Prompt(text="Hi"))).prompt_tokens
+    assert owner.ok(step=target_pb2.Step(session_id=sid)).length
     owner.ok(release=target_pb2.Release(session_id=sid))
     owner.close()
     other.close()
+
+
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def _draft_round(*ops: draft_pb2.DraftSessionRequest) -> draft_pb2.DraftRound:
+    for i, op in enumerate(ops):
+        op.request_id = i + 1
+    return draft_pb2.DraftRound(ops=ops)
+
+
+def _ops_on(sid: str, position: int) -> list[draft_pb2.DraftSessionRequest]:
+    """Every per-session op of a DraftRound, on `sid`."""
+    return [draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(session_id=sid, start_position=position,
+                                                                         tokens=[1, 2])),
+            draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(session_id=sid, anchor_token=1,
+                                                                    anchor_position=position)),
+            draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(session_id=sid, length=0)),
+            draft_pb2.DraftSessionRequest(release=draft_pb2.ReleaseDraft(session_id=sid))]
+
+
+def test_a_draft_round_reaches_only_its_own_streams_sessions(target: Service, ngram_drafter: Service,
+                                                             channel: grpc.Channel):
+    """Another client's draft session, and the target's own (opened on the drafter under the target session's id,
+    which every client of that session knows), are NOT_FOUND to a round; a round inside a round is refused."""
+    fp = target_info(target.address).fingerprint
+    stepping = target_ops(channel)  # a target session that steps with the drafter
+    t_sid = stepping.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+        mode=common_pb2.DECODE_MODE_SPECULATION, proposer=draft_pb2.PROPOSER_NGRAM))).session_id
+    prompt = common_pb2.Prompt(text="1, 2, 3, 1, 2, 3, 1, 2, 3,")
+    length = len(stepping.ok(prefill=target_pb2.Prefill(session_id=t_sid, prompt=prompt)).prompt_tokens)
+    length = stepping.ok(step=target_pb2.Step(session_id=t_sid)).length  # the target's draft session is open now
+    with grpc.insecure_channel(ngram_drafter.address) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        theirs, mine = (Ops(stub.DraftSession, draft_pb2.DraftSessionRequest) for _ in range(2))
+        d_sid = theirs.ok(open=draft_pb2.OpenDraft(target=fp)).session_id
+        assert theirs.ok(append=draft_pb2.AppendContext(session_id=d_sid, tokens=[1, 2, 1, 2])).length == 4
+        own = mine.ok(open=draft_pb2.OpenDraft(target=fp)).session_id
+        for sid, position in ((d_sid, 4), (t_sid, length)):
+            result = mine.ok(round=_draft_round(*_ops_on(sid, position),
+                                                draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(
+                                                    session_id=own, tokens=[5, 6, 5]))))
+            assert [r.status.code for r in result.results] == [NOT_FOUND] * 4 + [0], list(result.results)
+            assert [r.request_id for r in result.results] == [1, 2, 3, 4, 5]
+        nested = mine(round=_draft_round(draft_pb2.DraftSessionRequest(round=_draft_round(*_ops_on(own, 3)))))
+        assert nested.status.code == INVALID.value[0] and "round" in nested.status.message, nested.status.message
+        # all of it left the others' sessions as they were
+        proposal = theirs.ok(propose=draft_pb2.Propose(session_id=d_sid, anchor_token=1, anchor_position=4))
+        assert list(proposal.tree.tokens[:2]) == [1, 2]  # prompt lookup: ... 1, 2, 1, 2 | 1 -> 2
+        mine.close()
+        theirs.close()
+    step = stepping.ok(step=target_pb2.Step(session_id=t_sid))
+    assert step.report.fallback_reason == "" and step.length > length, step.report
+    stepping.close()
 
 
 def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.Channel):

@@ -1,7 +1,8 @@
-"""TLS, mutual TLS and bearer tokens on the client->target, client->drafter and target->drafter links: calls without a
-valid token are UNAUTHENTICATED, a client certificate from another CA fails the handshake, health answers probes
-without a token, and a session belongs to the principal (token) that opened it. Certificates are made by the
-`openssl` CLI for this test run."""
+"""TLS, mutual TLS and bearer tokens on the client->target link and the target->drafter link (the target's
+--drafter-tls-*/--drafter-auth-token-file options), and on the drafter's own port: calls without a valid token are
+UNAUTHENTICATED, a client certificate from another CA fails the handshake, health answers probes without a token,
+speculation over the secured links gives AR's tokens, and a session belongs to the principal (token) that opened
+it. Certificates are made by the `openssl` CLI for this test run."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def drafter(pki: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def target(pki: Path, drafter: str) -> Iterator[str]:
-    """TLS and two tokens (alice, bob); its Generate RPC speculates with the drafter over mTLS + token."""
+    """TLS and two tokens (alice, bob); it speculates (Generate and the SDK's Steps) with the drafter over mTLS +
+    token."""
     args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
             "--auth-token-file", str(pki / "target-tokens"), "--drafter", drafter,
             "--drafter-tls-ca", str(pki / "ca.pem"), "--drafter-tls-cert", str(pki / "client.pem"),
@@ -116,9 +118,14 @@ def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def generate_request(mode: int = common_pb2.DECODE_MODE_AR) -> target_pb2.GenerateRequest:
-    return target_pb2.GenerateRequest(prompt=common_pb2.Prompt(text="The capital of France is"), max_new_tokens=12,
-                                      mode=mode, ignore_eos=True)
+# the drafter is prompt lookup: a prompt that repeats itself gets drafts that the target accepts
+REPEATING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"
+
+
+def generate_request(mode: int = common_pb2.DECODE_MODE_AR, prompt: str = "The capital of France is"
+                     ) -> target_pb2.GenerateRequest:
+    return target_pb2.GenerateRequest(prompt=common_pb2.Prompt(text=prompt), max_new_tokens=12, mode=mode,
+                                      ignore_eos=True)
 
 
 @pytest.mark.parametrize("token", [None, "not-a-token", ALICE[:-1]])
@@ -168,16 +175,39 @@ def test_every_link_secured_speculation_is_identical_to_ar(pki: Path, target: st
     # the target's Generate speculates over its mTLS + token link to the drafter
     with make_channel(target, security(pki, token=ALICE)) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
-        replies = {mode: list(stub.Generate(generate_request(mode), timeout=300))
+        replies = {mode: list(stub.Generate(generate_request(mode, REPEATING), timeout=300))
                    for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION)}
     ar, spec = ([t for r in replies[m] for t in r.token_ids] for m in sorted(replies))
     assert len(ar) == 12 and spec == ar
-    assert replies[common_pb2.DECODE_MODE_SPECULATION][-1].stats.fallback_reason == ""
-    # the SDK: client->target over TLS + token, client->drafter over mTLS + token
-    with TargetClient(target, drafter=drafter, security=security(pki, token=BOB),
-                      draft_security=security(pki, token=TARGET_TOKEN, cert="client"), timeout=300) as client:
-        result = client.generate("The capital of France is", max_new_tokens=12, ignore_eos=True, mode="speculation")
-    assert result.token_ids == ar and result.stats.fallback_reason == ""
+    stats = replies[common_pb2.DECODE_MODE_SPECULATION][-1].stats
+    assert stats.fallback_reason == "" and stats.speculative_steps > 0, stats
+    # the SDK over TLS + token to the target; its Steps draft over the target's mTLS + token link
+    with TargetClient(target, security=security(pki, token=BOB), timeout=300) as client:
+        result = client.generate(REPEATING, max_new_tokens=12, ignore_eos=True, mode="speculation")
+    assert result.token_ids == ar and result.stats.fallback_reason == "" and result.stats.speculative_steps > 0
+
+
+def test_a_target_with_the_wrong_drafter_token_does_not_speculate(pki: Path, drafter: str):
+    """The target->drafter link is checked like any client: with a wrong token the target finishes target-only and
+    says why."""
+    (pki / "wrong-drafter-token").write_text("not-the-drafter-token\n")
+    args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"), "--drafter", drafter,
+            "--drafter-tls-ca", str(pki / "ca.pem"), "--drafter-tls-cert", str(pki / "client.pem"),
+            "--drafter-tls-key", str(pki / "client.key"),
+            "--drafter-auth-token-file", str(pki / "wrong-drafter-token")]
+    with started(local_target, args, security(pki)) as address, make_channel(address, security(pki)) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        replies: list[target_pb2.GenerateResponse] = []
+
+        def refused() -> bool:  # once the target's first probe of its drafter has answered
+            replies[:] = stub.Generate(generate_request(common_pb2.DECODE_MODE_SPECULATION, REPEATING),
+                                       timeout=TIMEOUT)
+            return "not probed yet" not in replies[-1].stats.fallback_reason
+
+        wait_until(refused, TIMEOUT, "the target probed its drafter")
+        stats = replies[-1].stats
+        assert stats.speculative_steps == 0 and "UNAUTHENTICATED" in stats.fallback_reason, stats
+        assert len([t for r in replies for t in r.token_ids]) == 12
 
 
 def test_a_session_of_one_principal_is_not_found_for_another(pki: Path, target: str):
