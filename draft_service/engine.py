@@ -279,18 +279,28 @@ class DraftEngine:
                                           out.compute_seconds)
         return out
 
-    def expect_proposals(self, session_ids: list[str], within_s: float = ROUND_WAIT_S) -> None:
-        """The proposals of these sessions are about to be asked for from their own threads (a DraftRound): their
-        drafter passes run as one."""
+    def expect_proposals(self, session_ids: list[str], owner: object = None,
+                         within_s: float = ROUND_WAIT_S) -> None:
+        """The proposals of these sessions (of `owner`) are about to be asked for from their own threads (a
+        DraftRound): their drafter passes run as one. Each must end with `proposal_done`, whether it ran or not."""
         if self._passes is None:
             return
         contexts = []
         for sid in session_ids:
             try:
-                contexts.append(id(self.sessions.get(sid).context))
+                contexts.append(id(self.sessions.get(sid, owner).context))
             except NotFound:
                 pass  # its proposal fails on its own
         self._passes.expect(contexts, within_s)
+
+    def proposal_done(self, session_id: str, owner: object = None) -> None:
+        """A round's proposal has ended (drafted, or refused before its pass): the pass no longer waits for it."""
+        if self._passes is None:
+            return
+        try:
+            self._passes.unexpect(id(self.sessions.get(session_id, owner).context))
+        except NotFound:
+            pass
 
     def _propose(self, s: DraftSession, anchor_token: int, anchor_position: int, tree: bool, budget: int,
                  kernel: str, temperature: float, generator: torch.Generator | None, proposer: str) -> ProposalResult:

@@ -132,8 +132,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, o in enumerate(m.ops):
             if results[i] is None and i not in proposals:
                 results[i] = self.handle(o, owner)
-        engine.expect_proposals([m.ops[i].propose.session_id for i in proposals])
-        futures = {i: self.round_executor.submit(self.handle, m.ops[i], owner) for i in proposals}
+        engine.expect_proposals([m.ops[i].propose.session_id for i in proposals], owner)
+
+        def propose(op: draft_pb2.DraftSessionRequest) -> draft_pb2.DraftSessionResponse:
+            try:
+                return self.handle(op, owner)
+            finally:  # refused before its pass (a bad field): the round's pass must not wait for it
+                engine.proposal_done(op.propose.session_id, owner)
+
+        futures = {i: self.round_executor.submit(propose, m.ops[i]) for i in proposals}
         for i, future in futures.items():
             results[i] = future.result()
         return draft_pb2.DraftRoundResult(results=results)

@@ -97,6 +97,14 @@ class SessionDrafting:
             op.capture.CopyFrom(capture)
         self.queued.append(draft_pb2.DraftSessionRequest(append=op))
 
+    def rollback(self, length: int) -> None:
+        """The target session was rolled back to `length` rows: the drafter's context follows (with the next
+        round), and a proposal drafted ahead for the old position is dropped."""
+        self.next = None
+        if self.active:
+            self.queued.append(draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(
+                session_id=self.session_id, length=length)))
+
     def plan(self) -> int:
         """AR, or the proposer to draft with this step."""
         self.steps += 1

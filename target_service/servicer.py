@@ -218,6 +218,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text, capture=capture))
         if op == "step":
             return dict(stepped=self._step(engine, request.step.session_id))
+        if op in ("verify", "commit") and getattr(request, op).session_id in self.drafting:
+            raise FailedPrecondition(f"this session steps with the target's drafter (OpenSession.step_options): "
+                                     f"send Step, not {op}; open a session without step_options to verify trees of "
+                                     "your own")
         if op == "verify":
             m = request.verify
             if not m.HasField("tree"):
@@ -247,6 +251,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return dict(committed=target_pb2.Committed(**committed_fields(layers, out)))
         if op == "rollback":
             length, pending = engine.rollback(request.rollback.session_id, request.rollback.length)
+            if (drafting := self.drafting.get(request.rollback.session_id)) is not None:
+                drafting.rollback(length)
             return dict(rolled_back=target_pb2.RolledBack(length=length, pending_token=pending))
         if op == "release":
             engine.release(request.release.session_id)
@@ -260,6 +266,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         options = target_pb2.StepOptions()
         options.CopyFrom(m.step_options)
         check_step_options(options)
+        if options.budget > engine.limits.max_tree_nodes:
+            raise InvalidArgument(f"step_options.budget {options.budget} is over this target's limit of "
+                                  f"{engine.limits.max_tree_nodes} draft nodes (--max-tree-nodes)")
         mode = options.mode = (options.mode or self.default_mode) if m.HasField("step_options") \
             else common_pb2.DECODE_MODE_AR
         info, why = None, ""

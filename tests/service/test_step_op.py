@@ -1,0 +1,55 @@
+"""The Step op's rules on a session that drafts with the target's drafter (the random drafter, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+from dspark_grpc.client import TargetClient
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+
+from tests.service.conftest import RawSession
+
+SPECULATION = target_pb2.StepOptions(mode=common_pb2.DECODE_MODE_SPECULATION)
+PROMPT = common_pb2.Prompt(text="The capital of France is")
+
+
+@pytest.fixture()
+def session(spec_target_address):
+    raw = RawSession(spec_target_address)
+    yield raw
+    raw.close()
+
+
+def test_a_budget_over_the_targets_tree_limit_is_refused_at_open(session):
+    options = target_pb2.StepOptions(mode=common_pb2.DECODE_MODE_SPECULATION, proposal=draft_pb2.PROPOSAL_KIND_TREE,
+                                     budget=100_000)
+    response = session.call(open=target_pb2.OpenSession(step_options=options))
+    assert response.status.code == 3 and "--max-tree-nodes" in response.status.message
+
+
+def test_verify_and_commit_are_refused_on_a_drafting_session(session):
+    sid = session.ok(open=target_pb2.OpenSession(step_options=SPECULATION)).session_id
+    pending = session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT)).next_token
+    response = session.call(verify=target_pb2.Verify(session_id=sid, tree=common_pb2.TokenTree(
+        tokens=[pending], parents=[-1]), commit=True))
+    assert response.status.code == 9 and "send Step" in response.status.message
+    response = session.call(commit=target_pb2.Commit(session_id=sid, path=[0], next_token=pending))
+    assert response.status.code == 9
+
+
+def test_a_rollback_keeps_the_session_drafting_and_replays_the_same_tokens(session, spec_target_address):
+    sid = session.ok(open=target_pb2.OpenSession(step_options=SPECULATION)).session_id
+    pre = session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    tokens, start = [pre.next_token], len(pre.prompt_tokens)
+    for _ in range(3):
+        stepped = session.ok(step=target_pb2.Step(session_id=sid))
+        tokens += [*stepped.tokens[1:], stepped.next_token]
+    session.ok(rollback=target_pb2.Rollback(session_id=sid, length=start + 1))  # keep the first generated token
+    replayed = tokens[:2]
+    while len(replayed) < len(tokens):
+        stepped = session.ok(step=target_pb2.Step(session_id=sid))
+        assert stepped.report.draft_depth >= 1 and stepped.report.fallback_reason == "", stepped.report
+        replayed += [*stepped.tokens[1:], stepped.next_token]
+    assert replayed[: len(tokens)] == tokens
+    with TargetClient(spec_target_address) as client:  # and the tokens are AR's
+        ar = client.generate(PROMPT.text, max_new_tokens=len(tokens), mode="ar", ignore_eos=True).token_ids
+    assert ar == tokens[: len(ar)]
