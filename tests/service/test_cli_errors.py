@@ -114,7 +114,10 @@ def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
     proc = subprocess.Popen([str(BIN / "dspark"), "bench", "--prompts", str(prompts), "--max-new-tokens", "4",
                              "--modes", "ar", "--json", str(tmp_path / "b.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a test runner started in the background has SIGINT ignored, and
+                            # an ignored signal stays ignored across exec (the launcher rightly leaves it so)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()

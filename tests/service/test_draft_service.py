@@ -238,8 +238,11 @@ def ar_outputs(target_address) -> list:
     ("chain", "ngram", "auto"), ("tree", "ngram", "auto"), ("chain", "hybrid", "auto"), ("tree", "hybrid", "auto"),
 ])
 def test_speculation_is_lossless(spec_target_address, ar_outputs, proposal, proposer, kernel):
+    # the fused kernel runs in Triton's interpreter here (slow): one prompt shows the wiring; tests/heads compares
+    # the kernel with the torch path token for token
+    prompts = 1 if kernel == "fused" else len(LOSSLESS_PROMPTS)
     with TargetClient(spec_target_address) as client:
-        for messages, ar in zip(LOSSLESS_PROMPTS, ar_outputs, strict=True):
+        for messages, ar in zip(LOSSLESS_PROMPTS[:prompts], ar_outputs[:prompts], strict=True):
             spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal,
                                    proposer=proposer, kernel=kernel)
             assert spec.token_ids == ar.token_ids and spec.text == ar.text
