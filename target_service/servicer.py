@@ -337,9 +337,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if proposal is not None:
                     truncated = drafting.planner.truncated if drafting.planner is not None else 0
                     fitted = drafting.fit(proposal, max_length - length, reply.depth)
-                    tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
-                    report.draft_batch_sessions = proposal.batch_sessions
-                    report.truncated = drafting.planner is not None and drafting.planner.truncated > truncated
+                    try:
+                        _check_tree_tensors(fitted.tree)
+                    except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
+                        drafting.fail(f"the drafter's proposal is malformed ({e.message})")
+                    else:
+                        tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
+                        report.draft_batch_sessions = proposal.batch_sessions
+                        report.truncated = drafting.planner is not None and drafting.planner.truncated > truncated
             draft_ids, draft_logprobs = _check_tree_tensors(tree)
             t1 = time.perf_counter()
             out = engine.verify(sid, list(tree.tokens), list(tree.parents), True, False, draft_ids, draft_logprobs)
