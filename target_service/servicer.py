@@ -119,6 +119,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted, self._plan_round) \
             if self.drafter is not None else None
         self.round_calibration = RoundCalibration()
+        self._costs: tuple[list, list[common_pb2.CostTable], VerifyCosts] | None = None  # see _cost_tables
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
         # draft ahead: a session's next proposal is asked for as soon as its step commits
         self.draft_ahead = draft_ahead
@@ -148,7 +149,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             protocol_version=PROTOCOL_VERSION, eos_token_ids=sorted(engine.tokenizer.eos_token_ids),
             max_sessions=engine.limits.max_sessions, max_tree_nodes=engine.limits.max_tree_nodes,
             max_message_bytes=self.max_message_bytes, speculation_available=self.drafter_address is not None,
-            default_mode=self.default_mode, verify_costs=[t.to_proto() for t in engine.cost_tables],
+            default_mode=self.default_mode, verify_costs=self._cost_tables(engine)[0],
             live_sessions=len(engine.sessions))
 
     # -- session stream -----------------------------------------------------------------------------
@@ -168,6 +169,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
             self.rounds.release(drafting, op)
 
+    def _cost_tables(self, engine: TargetEngine) -> tuple[list[common_pb2.CostTable], VerifyCosts]:
+        """The engine's start-up cost tables as the wire carries them and as the planners read them (built once per
+        list of tables, not per round)."""
+        if self._costs is None or self._costs[0] is not engine.cost_tables:
+            tables = [t.to_proto() for t in engine.cost_tables]
+            self._costs = (engine.cost_tables, tables, VerifyCosts(tables))
+        return self._costs[1], self._costs[2]
+
     def _plan_round(self, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
         """Cut the round's confident chains together (speculation/round_planner.py), from the start-up cost tables."""
         engine = self.engine
@@ -184,7 +193,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 adaptive = job.drafting.options.mode == common_pb2.DECODE_MODE_ADAPTIVE
                 chains.append((reply, values, 0 if adaptive else 1))  # adaptive may cut a session to AR
         if chains:
-            costs = VerifyCosts([t.to_proto() for t in engine.cost_tables])
+            costs = self._cost_tables(engine)[1]
             depths = plan_depths([v for _, v, _ in chains], [m for _, _, m in chains], self.round_calibration.value,
                                  costs.seconds)
             for (reply, _, _), depth in zip(chains, depths, strict=True):
@@ -297,7 +306,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if info is not None:
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
             self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint,
-                                                       [t.to_proto() for t in engine.cost_tables],
+                                                       self._cost_tables(engine)[0],
                                                        self.planner_memory, self.rounds.generation)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
