@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .compiled_step import COMPILE_MODES, CompiledStep, can_compile
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
 from .quant import QuantBlocks, blocks_of
@@ -157,17 +158,29 @@ def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precisi
     raise ValueError(f"{p} is neither a .gguf file nor a directory with config.json and safetensors weights")
 
 
-def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dtype = torch.float32) -> Transformer:
+def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dtype = torch.float32,
+                    compile: str = "off", progress: bool = False) -> Transformer:
     """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
     bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
-    its 1-row step bitwise, so greedy speculation equals greedy AR of this same model)."""
+    its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" (fast
+    precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    if compile != "off" and precision != "fast":
+        raise ValueError(f"--compile {compile} needs --precision fast (the exact precision runs eagerly)")
     if precision == "exact":
         return Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
     model = Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16).pack()
     model.batch_invariant = True
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
+    if compile != "off":
+        reason = can_compile(model)
+        if reason is not None:
+            raise ValueError(f"--compile {compile}: {reason}")
+        model.compiled = CompiledStep(model)
+        model.compiled.warm_up(progress)
     return model
 
 

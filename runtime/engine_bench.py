@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
 from .cost_profile import profile_target
-from .decode import prefill, tree_input
+from .decode import commit_path, prefill, tree_input, verify_tree
 from .linear import matmul_kind
 from .transformer import Transformer
 
@@ -47,6 +47,29 @@ def count_torch_calls(model: Transformer, context: int) -> Counter[str]:
     return mode.calls
 
 
+def check_invariance(model: Transformer, steps: int = 48, context: int = 200) -> str:
+    """Greedy AR for `steps` tokens, then the same tokens verified as chains of 2..16 rows: how many rows differ."""
+    prompt = torch.randint(model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = model.new_cache()
+    logits, _ = prefill(model, cache, prompt)
+    tokens, rows = [int(logits.argmax())], []
+    for _ in range(steps):
+        step, _ = verify_tree(model, cache, [tokens[-1]], [-1])
+        commit_path(cache, [0])
+        rows.append(step[0])
+        tokens.append(int(step[0].argmax()))
+    checked = differ = 0
+    for width in (2, 3, 4, 5, 8, 16):
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        for lo in range(0, steps - width + 1, width):
+            out, _ = verify_tree(model, cache, tokens[lo : lo + width], list(range(-1, width - 1)))
+            commit_path(cache, list(range(width)))
+            differ += sum(not torch.equal(out[j], rows[lo + j]) for j in range(width))
+            checked += width
+    return f"{differ} of {checked} rows differ (chains of 2, 3, 4, 5, 8, 16 rows over {steps} AR steps)"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dspark_grpc.runtime.engine_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory; default: the embedded SmolLM2 GGUF")
@@ -56,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", default="off", help="off, or fast: also time the fast precision's compiled step "
+                   "(compiled first, progress shown) and check its verify rows against its AR steps")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
@@ -64,6 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     for precision in args.precisions.split(","):
         model = inference_model(load_checkpoint(path, progress=False, precision=precision), precision)
         variants[f"{precision} ({model.dtype}, {matmul_kind(model)})"] = model
+        if precision == "fast" and args.compile != "off":
+            compiled = inference_model(load_checkpoint(path, progress=False, precision=precision), precision,
+                                       compile=args.compile, progress=True)
+            variants[f"{precision}, compile {args.compile}"] = compiled
+            print(f"compiled step, verify rows vs AR steps: {check_invariance(compiled)}", flush=True)
         if model.batch_invariant:
             shared = inference_model(load_checkpoint(path, progress=False, precision=precision), precision)
             shared.batch_invariant = False
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 raw = table.measured or table.seconds  # before the table's running max
                 ms[clock_name, name].append([s * 1e3 for size, s in zip(table.sizes, raw, strict=True)
                                              if size in rows])
-    print(f"{path.name}, {args.threads} threads, {args.context} committed rows, compile off (eager); ms per forward, "
+    print(f"{path.name}, {args.threads} threads, {args.context} committed rows; ms per forward, "
           f"median of {args.rounds} rounds x {args.repeats} repeats; load average {_load_average()}")
     print(f"| variant | clock | {' | '.join(f'{r} rows' for r in rows)} |")
     print(f"|---|---|{'---|' * len(rows)}")
@@ -86,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {clock_name} | {' | '.join(cells)} |")
     print("\n| variant | aten calls per eager 1-row forward | top ops |\n|---|---|---|")
     for name, model in variants.items():
+        if model.compiled is not None:
+            print(f"| {name} | (compiled graphs) | |")
+            continue
         calls = count_torch_calls(model, args.context)
         print(f"| {name} | {calls.total()} | {', '.join(f'{op} {n}' for op, n in calls.most_common(5))} |")
 

@@ -111,7 +111,7 @@ def matmul_kind(model: nn.Module) -> str:
     "aten" (cost tables are keyed by it, so a table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.blocks is not None for m in linears):
-        return "int4-g32"
+        return "int4-g32" + ("-compiled" if getattr(model, "compiled", None) is not None else "")
     return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
 
 

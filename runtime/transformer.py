@@ -25,6 +25,7 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .compiled_step import CompiledStep
 
 
 class KVSource(Protocol):
@@ -222,6 +223,7 @@ class Transformer(nn.Module):
         # Verify rows and AR steps attend row by row, so that a verify row equals its 1-row step bitwise
         # (runtime/batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
         self.batch_invariant = False
+        self.compiled: CompiledStep | None = None  # the fast precision's compiled steps (runtime/compiled_step.py)
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -253,6 +255,8 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.device
 
     def new_cache(self, max_length: int | None = None, initial_capacity: int = 256) -> KVCache:
+        if self.compiled is not None:
+            return self.compiled.new_cache(self.config.max_position_embeddings if max_length is None else max_length)
         if self.config.linear_layers:
             max_length = self.config.max_position_embeddings if max_length is None else max_length
             return HybridCache(self.config, max_length, self.dtype, self.device, initial_capacity)
@@ -297,6 +301,16 @@ class Transformer(nn.Module):
             raise ValueError("each sequence of a batch needs its own cache")
         for b in batch:
             self._check_input(b)
+        if self.compiled is not None and any(self.compiled.accepts(b) for b in batch):
+            steps = [i for i, b in enumerate(batch) if self.compiled.accepts(b)]
+            outputs = dict(zip(steps, self.compiled(self, [batch[i] for i in steps]), strict=True))
+            chunks = [i for i in range(len(batch)) if i not in outputs]
+            if chunks:
+                outputs.update(zip(chunks, self._forward_eager([batch[i] for i in chunks]), strict=True))
+            return [outputs[i] for i in range(len(batch))]
+        return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
         trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
         masks, bounds, keys, begin = [], [], [], 0
         for b in batch:

@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
                    help="exact: float32 (or --dtype), matches HF transformers token for token; fast: a GGUF's "
                         "Q4_0/Q4_1 matrices as int4 matmuls, everything else bf16 (--dtype ignored); greedy "
                         "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
+    s.add_argument("--compile", choices=("off", "fast"), default="off",
+                   help="fast (with --precision fast): AR steps and verifies run as two compiled graphs "
+                        "(torch.compile; compiled at start-up with progress shown, cached across restarts by "
+                        "torch's inductor cache); greedy speculation still equals greedy AR of the same setting")
     s.add_argument("--max-tree-nodes", type=int, default=256)
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
         path = args.model or default_model_path()
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                   precision=args.precision)
+                                   precision=args.precision, compile=args.compile)
         if not args.no_cost_profile:
             from dspark_grpc.runtime.cost_profile import target_cost_tables
             from dspark_grpc.speculation.cost_table import default_cache_dir

@@ -1,0 +1,91 @@
+"""The compiled step (runtime/compiled_step.py) is lossless by batch invariance, like the eager fast path: a row
+of a verify (the wider graph, any key length C, a tree, batched with another session) equals its 1-row AR step
+(the AR graph) bitwise; and it computes the same model as the eager fast path (to bf16 rounding)."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from dspark_grpc.runtime import engine_bench
+from dspark_grpc.runtime.compiled_step import CompiledStep
+from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
+from dspark_grpc.runtime.quant import int4_available
+from dspark_grpc.runtime.slot_cache import SlotCache
+from runtime_helpers import random_tokens
+from test_batch_invariance import ar_steps, fast_tiny_model
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_models):
+    """qwen3: q/k norms, a tied head (one model: compiling costs ~10 s per graph)."""
+    eager = fast_tiny_model(tiny_hf_models["qwen3"], Q.Q4_0)
+    compiled = fast_tiny_model(tiny_hf_models["qwen3"], Q.Q4_0)
+    compiled.compiled = CompiledStep(compiled)
+    return eager, compiled
+
+
+def test_compiled_rows_equal_ar_steps(models):
+    _, model = models
+    prompt = random_tokens(200, seed=3)
+    tokens, ar = ar_steps(model, prompt, 12)  # 1-row graph, keys C = 256
+
+    def fresh_cache():
+        cache = model.new_cache()
+        assert isinstance(cache, SlotCache)
+        prefill(model, cache, prompt)
+        return cache
+
+    chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
+    for i in range(12):
+        assert torch.equal(chain[i], ar[i]), ("chain", i)
+    wrong = (tokens[1] + 1) % model.config.vocab_size
+    tree, parents = [tokens[0], wrong, tokens[1], tokens[2], wrong, tokens[3]], [-1, 0, 0, 2, 3, 3]
+    logits, _ = verify_tree(model, fresh_cache(), tree, parents)
+    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+        assert torch.equal(logits[node], ar[step]), ("tree", node)
+    # batched with a longer session: the step's keys are C = 320 rows, the AR step's 256
+    other = model.new_cache()
+    prefill(model, other, random_tokens(300, seed=4))
+    outs = model.forward_batch([tree_input(other, tokens[5:9], [-1, 0, 1, 1]),
+                                tree_input(fresh_cache(), tree, parents)])
+    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+        assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
+
+
+def test_compiled_step_computes_the_eager_fast_model(models):
+    eager, compiled = models
+    prompt = random_tokens(60, seed=5)
+    tokens, _ = ar_steps(eager, prompt, 6)
+    got = []
+    for model in (eager, compiled):
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        logits, captures = verify_tree(model, cache, tokens[:6], list(range(-1, 5)), capture_layers=(0, 1))
+        got.append((logits, captures))
+    # attention in float32 here, bf16 SDPA there: bf16-sized differences only
+    torch.testing.assert_close(got[1][0], got[0][0], atol=0.2, rtol=0)
+    torch.testing.assert_close(got[1][1].float(), got[0][1].float(), atol=0.2, rtol=0.05)
+    assert torch.equal(got[1][0].argmax(-1), got[0][0].argmax(-1))
+
+
+def test_the_bench_invariance_check_counts_no_differing_rows(models):
+    _, model = models
+    assert engine_bench.check_invariance(model, steps=16, context=40).startswith("0 of "), "verify rows differ"
+
+
+def test_slots_are_reused_and_the_store_grows_keeping_rows(models):
+    _, model = models
+    store = model.compiled.store
+    caches = [model.new_cache() for _ in range(store.slots + 1)]  # one more than there are slots: it doubles
+    assert len({c.slot for c in caches}) == len(caches) and store.slots >= len(caches)
+    prefill(model, caches[0], random_tokens(20, seed=6))
+    before = caches[0].k[1][:, :20].clone()
+    store.reserve(store.capacity + 10)
+    assert torch.equal(caches[0].k[1][:, :20], before) and caches[0].capacity >= 20
+    freed = caches.pop().slot
+    del caches[-1:]
+    assert model.new_cache().slot in (freed, *range(store.slots))
