@@ -126,7 +126,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               cost_profile: bool = True, connect_timeout: float = 15.0, link_delay_ms: float = 0.0,
-              baselines: tuple[str, ...] = (), log: Callable[[str], None] | None = None) -> dict:
+              baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (),
+              log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
@@ -162,7 +163,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             started.insert(0, "target")
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
             args = ["--max-sessions", sessions, "--draft-timeout", str(draft_timeout), *profile] + \
-                (["--model", target_model] if target_model else []) + (["--drafter", drafter] if drafter else [])
+                (["--model", target_model] if target_model else []) + (["--drafter", drafter] if drafter else []) + \
+                list(target_args)
             target = stack.enter_context(local_target(args, wait_serving=True))
         if link_delay_ms > 0:
             target = stack.enter_context(delay_proxy(target, link_delay_ms / 1000))

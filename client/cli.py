@@ -219,6 +219,9 @@ def parser() -> OneLineParser:
                         "a path); default: the draft service's (embedded for the embedded target)")
     b.add_argument("--target-model", default=None,
                    help="model for the started target service (and the started drafter's target)")
+    b.add_argument("--target-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG to the started target service (repeat: --target-arg=--precision "
+                        "--target-arg=fast --target-arg=--compile --target-arg=fast)")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
@@ -340,7 +343,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        drafter_checkpoint=args.drafter_checkpoint,
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
-                       link_delay_ms=args.link_delay_ms,
+                       link_delay_ms=args.link_delay_ms, target_args=tuple(args.target_arg),
                        command=command, baselines=tuple(args.baseline))
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

@@ -3,8 +3,8 @@
 A step is R rows of any number of sequences, each sequence in its own slot of a SlotStore (runtime/slot_cache.py).
 Per layer the graph writes the rows' K/V into their slots by index and runs attention with every row as its own
 batch element: the row's query against its slot's first C keys, masked by its mask row. So a row computes the
-same thing whatever the other rows are, and C only adds masked keys. Two graphs serve every shape (dynamic R and C;
-R = 1 is specialized by the compiler): an AR step and everything wider. Batch invariance (a verify row equals its
+same thing whatever the other rows are, and C only adds masked keys. One graph serves every shape (dynamic R and C,
+R = 1 not specialized): AR steps and verifies run the same code. Batch invariance (a verify row equals its
 1-row AR step bitwise) then rests on the kernels and on the inductor rounding every bf16 intermediate as eager does
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
 differently). Attention is two float32 matmuls and a softmax, not SDPA: with the CPU flash kernel a row of a 5-row
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .transformer import ForwardOutput, SequenceInput, Transformer
 
 COMPILE_MODES = ("off", "fast")
-WARMUP_ROWS = (1, 2)  # the two graphs: an AR step, and any wider step
+WARMUP_ROWS = (1, 2)  # one graph serves both (R is never specialized); the second call checks it
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,7 +96,7 @@ def can_compile(model: Transformer) -> str | None:
 
 
 class CompiledStep:
-    """The model's step graphs and the slot store every session's cache lives in."""
+    """The model's step graph and the slot store every session's cache lives in."""
 
     def __init__(self, model: Transformer) -> None:
         reason = can_compile(model)
@@ -105,6 +105,7 @@ class CompiledStep:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False  # R, C, slots and capacity are unrelated sizes: no equality guards
+        fx_config.backed_size_oblivious = True  # R = 1 too: one graph for AR steps and verifies
         self.model = model
         self.store = SlotStore(model.config, model.dtype, model.device)
         positions = torch.arange(model.config.max_position_embeddings, device=model.device)
@@ -122,23 +123,22 @@ class CompiledStep:
 
     @torch.no_grad()
     def warm_up(self, progress: bool = True) -> float:
-        """Compile both graphs now (a throwaway slot), showing progress; returns the seconds it took."""
+        """Compile the graph now (a throwaway slot), showing progress; returns the seconds it took."""
         t0 = time.perf_counter()
         cache = self.new_cache(max_length=BUCKET)
         from .transformer import SequenceInput
 
+        if progress:
+            print("[dspark] compiling the step graph (AR steps and verifies; minutes on 2 cores, less from torch's "
+                  "inductor cache)...", file=sys.stderr, flush=True)
         for rows in WARMUP_ROWS:
-            if progress:
-                print(f"[dspark] compiling the {rows}-row step graph"
-                      f"{' (AR steps)' if rows == 1 else ' (verifies, batched steps)'}...", file=sys.stderr,
-                      flush=True)
             tokens = torch.zeros(rows, dtype=torch.long)
             self(self.model, [SequenceInput(tokens, torch.arange(rows), cache,
                                             new_rows_mask=torch.ones(rows, rows, dtype=torch.bool).tril())])
             cache.discard()
         seconds = time.perf_counter() - t0
         if progress:
-            print(f"[dspark] step graphs ready ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            print(f"[dspark] step graph ready ({seconds:.1f} s)", file=sys.stderr, flush=True)
         return seconds
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
                         "Q4_0/Q4_1 matrices as int4 matmuls, everything else bf16 (--dtype ignored); greedy "
                         "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
     s.add_argument("--compile", choices=("off", "fast"), default="off",
-                   help="fast (with --precision fast): AR steps and verifies run as two compiled graphs "
+                   help="fast (with --precision fast): AR steps and verifies run as one compiled graph "
                         "(torch.compile; compiled at start-up with progress shown, cached across restarts by "
                         "torch's inductor cache); greedy speculation still equals greedy AR of the same setting")
     s.add_argument("--max-tree-nodes", type=int, default=256)
