@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from .batch_invariant import BUCKET
 from .rope import rope_cos_sin
@@ -53,7 +52,8 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     """tokens/positions/slots/write_rows [R]; mask [R, C] bool over the first C rows of each row's slot (its own
     new row included: rows are written before attention); logit_rows [N]; rope [2, max_positions, head_dim] (cos,
     sin: looked up, since a compiled cos differs in its last bits with the row's place in a vector). Returns
-    logits [N, vocab] float32 and every layer's output [R, num_layers, hidden]."""
+    the normed rows [N, hidden] for the head, and every layer's output [R, num_layers, hidden]. The head runs
+    after the graph: its oneDNN-packed weight (Transformer.lm_head) is faster than any matmul the graph makes."""
     c = model.config
     R, C = mask.shape
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -76,9 +76,7 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
         h = x + a.wo(o.reshape(R, H * D))
         x = h + layer.feed_forward(_rms_norm(h, layer.ffn_norm.weight, c.rms_norm_eps))
         hidden.append(x)
-    last = _rms_norm(x[logit_rows], model.norm.weight, c.rms_norm_eps)
-    head = model.output(last) if model.output is not None else F.linear(last, model.tok_embeddings.weight)
-    return head.float(), torch.stack(hidden, dim=1)
+    return _rms_norm(x[logit_rows], model.norm.weight, c.rms_norm_eps), torch.stack(hidden, dim=1)
 
 
 def can_compile(model: Transformer) -> str | None:
@@ -167,7 +165,8 @@ class CompiledStep:
         args = (model, torch.cat([b.tokens for b in batch]), torch.cat([b.positions for b in batch]),
                 torch.cat(slots), torch.cat(write_rows), torch.cat(masks), torch.cat(logit_rows), self.rope,
                 self.store.k, self.store.v)
-        logits, hidden = self.graph(*args)
+        last, hidden = self.graph(*args)
+        logits = model.lm_head(last).float()
         outputs, row, offset = [], 0, 0
         for b, rows in zip(batch, logit_rows, strict=True):
             T = b.tokens.shape[0]
