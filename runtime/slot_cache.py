@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -30,7 +31,9 @@ class SlotStore:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self._free = list(range(slots))
-        self._lock = threading.Lock()
+        # Growing replaces every tensor: a forward or commit in flight (the batcher's thread) would write to the
+        # old ones while a session opens on another thread. Everything that uses or grows the store holds this.
+        self.lock = threading.RLock()
 
     @property
     def slots(self) -> int:
@@ -45,7 +48,7 @@ class SlotStore:
         return self.slots - len(self._free)
 
     def acquire(self) -> int:
-        with self._lock:
+        with self.lock:
             if not self._free:
                 old = self.slots
                 self._grow(slots=2 * old)
@@ -53,14 +56,14 @@ class SlotStore:
             return self._free.pop(0)
 
     def release(self, slot: int) -> None:
-        with self._lock:
+        with self.lock:
             for t in self.k + self.v:
                 t[slot].zero_()  # rows past a sequence's length are read masked: keep them finite
             self._free.append(slot)
 
     def reserve(self, rows: int) -> None:
         """Capacity strictly above `rows` (a step's keys are a prefix shorter than the capacity)."""
-        with self._lock:
+        with self.lock:
             if rows >= self.capacity:
                 capacity = self.capacity
                 while capacity <= rows:
@@ -103,3 +106,7 @@ class SlotCache(KVCache):
 
     def _resize(self, capacity: int) -> None:
         self.store.reserve(capacity)
+
+    def commit(self, rows: Sequence[int] | torch.Tensor) -> None:
+        with self.store.lock:
+            super().commit(rows)

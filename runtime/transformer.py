@@ -301,14 +301,15 @@ class Transformer(nn.Module):
             raise ValueError("each sequence of a batch needs its own cache")
         for b in batch:
             self._check_input(b)
-        if self.compiled is not None and any(self.compiled.accepts(b) for b in batch):
+        if self.compiled is None:
+            return self._forward_eager(batch)
+        with self.compiled.store.lock:
             steps = [i for i, b in enumerate(batch) if self.compiled.accepts(b)]
-            outputs = dict(zip(steps, self.compiled(self, [batch[i] for i in steps]), strict=True))
+            outputs = dict(zip(steps, self.compiled(self, [batch[i] for i in steps]), strict=True)) if steps else {}
             chunks = [i for i in range(len(batch)) if i not in outputs]
             if chunks:
                 outputs.update(zip(chunks, self._forward_eager([batch[i] for i in chunks]), strict=True))
             return [outputs[i] for i in range(len(batch))]
-        return self._forward_eager(batch)
 
     def _forward_eager(self, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
         trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
