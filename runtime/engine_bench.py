@@ -47,10 +47,10 @@ def count_torch_calls(model: Transformer, context: int) -> Counter[str]:
     return mode.calls
 
 
-def check_invariance(model: Transformer, steps: int = 48, context: int = 200) -> str:
-    """Greedy AR for `steps` tokens, then the same tokens verified as chains of 2..16 rows: how many rows differ."""
-    prompt = torch.randint(model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    cache = model.new_cache()
+def ar_steps(model: Transformer, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy AR, one 1-row forward per token, on a cache that grows while decoding: tokens[0] from the prompt,
+    then logits[i] -> tokens[i + 1]."""
+    cache = model.new_cache(initial_capacity=len(prompt) + 4)
     logits, _ = prefill(model, cache, prompt)
     tokens, rows = [int(logits.argmax())], []
     for _ in range(steps):
@@ -58,6 +58,13 @@ def check_invariance(model: Transformer, steps: int = 48, context: int = 200) ->
         commit_path(cache, [0])
         rows.append(step[0])
         tokens.append(int(step[0].argmax()))
+    return tokens, rows
+
+
+def check_invariance(model: Transformer, steps: int = 48, context: int = 200) -> str:
+    """Greedy AR for `steps` tokens, then the same tokens verified as chains of 2..16 rows: how many rows differ."""
+    prompt = torch.randint(model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens, rows = ar_steps(model, prompt, steps)
     checked = differ = 0
     for width in (2, 3, 4, 5, 8, 16):
         cache = model.new_cache()

@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.reliability.conftest import START_TIMEOUT, Ops, Service, draft_args, health, live_sessions, wait_until
 
 SEED = 20261201
-MESSAGES, LONG_MESSAGES = 1_200, 50_000
+MESSAGES, LONG_MESSAGES = 800, 50_000
 DEADLINE_S = 60.0  # a call that takes longer counts as a hang
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE,
        grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from dspark_grpc.runtime.batch_invariant import attention_by_row, row_keys
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
+from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.linear import pack_weight, packed_matmul
 from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, int4_available
 from dspark_grpc.runtime.transformer import Transformer
@@ -91,46 +92,47 @@ def fast_tiny_model(directory, qtype: gguf.GGMLQuantizationType) -> Transformer:
     return inference_model(ckpt, "fast")
 
 
-def ar_steps(model: Transformer, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy AR, one 1-row forward per token, on a cache that grows while decoding: tokens[0] from the
-    prompt, then logits[i] -> tokens[i + 1]."""
-    cache = model.new_cache(initial_capacity=len(prompt) + 4)
-    logits, _ = prefill(model, cache, prompt)
-    tokens, rows = [int(logits.argmax())], []
-    for _ in range(steps):
-        step, _ = verify_tree(model, cache, [tokens[-1]], [-1])
-        commit_path(cache, [0])
-        rows.append(step[0])
-        tokens.append(int(step[0].argmax()))
-    return tokens, rows
+def assert_verifies_equal_ar_steps(model: Transformer, prompt: list[int], fresh_cache) -> tuple[list[int],
+                                                                                      list[torch.Tensor]]:
+    """AR for 12 steps, then a 12-row chain verify and a tree verify (a wrong first child before the right one, the
+    AR path continuing under the right one) on fresh prefilled caches: every verify row equals its AR step bitwise.
+    Returns AR's (tokens, logits rows)."""
+    tokens, ar = ar_steps(model, prompt, 12)
+    chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
+    for i in range(12):
+        assert torch.equal(chain[i], ar[i]), ("chain", i)
+    logits, _ = verify_tree(model, fresh_cache(), *tree_of(model, tokens))
+    for node, step in TREE_AR_STEPS:
+        assert torch.equal(logits[node], ar[step]), ("tree", node)
+    return tokens, ar
+
+
+TREE_AR_STEPS = ((0, 0), (2, 1), (3, 2), (5, 3))  # tree_of's nodes on the AR path -> AR step
+
+
+def tree_of(model: Transformer, tokens: list[int]) -> tuple[list[int], list[int]]:
+    wrong = (tokens[1] + 1) % model.config.vocab_size
+    return [tokens[0], wrong, tokens[1], tokens[2], wrong, tokens[3]], [-1, 0, 0, 2, 3, 3]
 
 
 @pytest.mark.parametrize("name,qtype", [("qwen2", Q.Q4_1), ("qwen3", Q.Q4_0), ("llama3", Q.Q4_1)])
 def test_fast_forward_rows_equal_ar_steps(tiny_hf_models, name, qtype):
     model = fast_tiny_model(tiny_hf_models[name], qtype)
     prompt = random_tokens(200, seed=3)  # with ~40 rows of context CPU SDPA happens to be invariant: not a test
-    tokens, ar = ar_steps(model, prompt, 12)
 
     def fresh_cache():
         cache = model.new_cache()
         prefill(model, cache, prompt)
         return cache
 
-    chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
-    for i in range(12):
-        assert torch.equal(chain[i], ar[i]), ("chain", i)
-    # a tree: a wrong first child before the right one, the AR path continues under the right one
-    wrong = (tokens[1] + 1) % model.config.vocab_size
-    tree, parents = [tokens[0], wrong, tokens[1], tokens[2], wrong, tokens[3]], [-1, 0, 0, 2, 3, 3]
-    logits, _ = verify_tree(model, fresh_cache(), tree, parents)
-    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
-        assert torch.equal(logits[node], ar[step]), ("tree", node)
+    tokens, ar = assert_verifies_equal_ar_steps(model, prompt, fresh_cache)
+    tree, parents = tree_of(model, tokens)
     # the same tree batched with another session's verify in one forward (continuous batching)
     other = fresh_cache()
     prefill(model, other, random_tokens(7, seed=4))
     outs = model.forward_batch([tree_input(other, tokens[5:9], [-1, 0, 1, 1]),
                                 tree_input(fresh_cache(), tree, parents)])
-    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+    for node, step in TREE_AR_STEPS:
         assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
 
 

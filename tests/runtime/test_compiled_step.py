@@ -13,11 +13,12 @@ from dspark_grpc.runtime import engine_bench
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.compiled_step import CompiledStep
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
+from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.quant import int4_available
 from dspark_grpc.runtime.slot_cache import SlotCache
 from dspark_grpc.runtime.transformer import Transformer
 from runtime_helpers import random_tokens
-from test_batch_invariance import ar_steps, quantized
+from test_batch_invariance import TREE_AR_STEPS, assert_verifies_equal_ar_steps, quantized, tree_of
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 Q = gguf.GGMLQuantizationType
@@ -48,7 +49,6 @@ def models(tiny_hf_models):
 def test_compiled_rows_equal_ar_steps(models):
     _, model = models
     prompt = random_tokens(200, seed=3)
-    tokens, ar = ar_steps(model, prompt, 12)  # 1-row graph, keys C = 256
 
     def fresh_cache():
         cache = model.new_cache()
@@ -56,20 +56,14 @@ def test_compiled_rows_equal_ar_steps(models):
         prefill(model, cache, prompt)
         return cache
 
-    chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
-    for i in range(12):
-        assert torch.equal(chain[i], ar[i]), ("chain", i)
-    wrong = (tokens[1] + 1) % model.config.vocab_size
-    tree, parents = [tokens[0], wrong, tokens[1], tokens[2], wrong, tokens[3]], [-1, 0, 0, 2, 3, 3]
-    logits, _ = verify_tree(model, fresh_cache(), tree, parents)
-    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
-        assert torch.equal(logits[node], ar[step]), ("tree", node)
+    tokens, ar = assert_verifies_equal_ar_steps(model, prompt, fresh_cache)  # AR steps: keys C = 256
+    tree, parents = tree_of(model, tokens)
     # batched with a longer session: the step's keys are C = 320 rows, the AR step's 256
     other = model.new_cache()
     prefill(model, other, random_tokens(300, seed=4))
     outs = model.forward_batch([tree_input(other, tokens[5:9], [-1, 0, 1, 1]),
                                 tree_input(fresh_cache(), tree, parents)])
-    for node, step in ((0, 0), (2, 1), (3, 2), (5, 3)):
+    for node, step in TREE_AR_STEPS:
         assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
 
 
