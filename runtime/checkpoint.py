@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .compiled_step import COMPILE_MODES, CompiledStep, can_compile
+from .compiled_step import COMPILE_MODES, CompiledStep
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
 from .quant import QuantBlocks, blocks_of
@@ -176,10 +176,10 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
     model.batch_invariant = True
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     if compile != "off":
-        reason = can_compile(model)
-        if reason is not None:
-            raise ValueError(f"--compile {compile}: {reason}")
-        model.compiled = CompiledStep(model)
+        try:
+            model.compiled = CompiledStep(model)
+        except ValueError as e:
+            raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)
     return model
 

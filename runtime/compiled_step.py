@@ -9,7 +9,7 @@ R = 1 not specialized): AR steps and verifies run the same code. Batch invarianc
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
 differently). Attention is two float32 matmuls and a softmax, not SDPA: with the CPU flash kernel a row of a 5-row
 step at one position of a SmolLM2 run differed from its AR step (rows of 2-4 did not), with the matmuls none did.
-tests/runtime/test_compiled_step.py checks it for both graphs, several C and tree masks.
+tests/runtime/test_compiled_step.py checks it for 1-row and wider steps, several C and tree masks.
 
 Prompt chunks do not come here: the per-row gather of keys suits a few rows, not hundreds; they run eagerly
 (the same for AR and speculation). Hybrid (linear-attention) models are not compiled.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .batch_invariant import BUCKET
-from .rope import rope_cos_sin
+from .rope import rope_cos_sin, rotate_half
 from .slot_cache import SlotCache, SlotStore
 
 if TYPE_CHECKING:
@@ -33,17 +33,6 @@ if TYPE_CHECKING:
 
 COMPILE_MODES = ("off", "fast")
 WARMUP_ROWS = (1, 2)  # one graph serves both (R is never specialized); the second call checks it
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [R, heads, D] rotated by cos/sin [R, D] (rotate_half form)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
 def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -63,20 +52,20 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     hidden = []
     for i, layer in enumerate(model.layers):
         a = layer.attention
-        q, k, v = a.qkv(_rms_norm(x, layer.attention_norm.weight, c.rms_norm_eps))
+        q, k, v = a.qkv(layer.attention_norm(x))
         q, k, v = q.view(R, H, D), k.view(R, KV, D), v.view(R, KV, D)
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = (t * cos[:, None] + rotate_half(t) * sin[:, None] for t in (q, k))
         ks[i][slots, :, write_rows] = k
         vs[i][slots, :, write_rows] = v
         keys, values = ks[i][slots, :, :C], vs[i][slots, :, :C]  # [R, KV, C, D]
         scores = torch.matmul(q.view(R, KV, H // KV, D).float(), keys.float().transpose(-1, -2)) * D**-0.5
         o = torch.matmul(torch.softmax(scores + bias, dim=-1), values.float()).to(x.dtype)
         h = x + a.wo(o.reshape(R, H * D))
-        x = h + layer.feed_forward(_rms_norm(h, layer.ffn_norm.weight, c.rms_norm_eps))
+        x = h + layer.feed_forward(layer.ffn_norm(h))
         hidden.append(x)
-    return _rms_norm(x[logit_rows], model.norm.weight, c.rms_norm_eps), torch.stack(hidden, dim=1)
+    return model.norm(x[logit_rows]), torch.stack(hidden, dim=1)
 
 
 def can_compile(model: Transformer) -> str | None:

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| variant | aten calls per eager 1-row forward | top ops |\n|---|---|---|")
     for name, model in variants.items():
         if model.compiled is not None:
-            print(f"| {name} | (compiled graphs) | |")
+            print(f"| {name} | (a compiled graph) | |")
             continue
         calls = count_torch_calls(model, args.context)
         print(f"| {name} | {calls.total()} | {', '.join(f'{op} {n}' for op, n in calls.most_common(5))} |")
