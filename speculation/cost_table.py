@@ -1,4 +1,4 @@
-"""The cost model: seconds of one forward as a function of its size, profiled at start-up, corrected online.
+"""The cost model: seconds of one forward as a function of its size, profiled at start-up.
 
 A `CostTable` maps a size (target: rows verified per session in one forward; drafter: the proposal budget) to
 seconds for one lane count (sessions in one batched forward): the median of a few timed repeats per measured size,
@@ -9,9 +9,9 @@ Tables are cached on disk (`load_or_profile`) under a hash of their `CostKey`: m
 dtype, threads, device, kind, context and lanes. A second start with the same key loads the table without
 profiling; any change of key (e.g. another thread count) profiles again.
 
-`VerifyCosts` reads the target's tables as published (one per lane count) and interpolates in rows and lanes;
-`Correction` is the online correction the planner applies to it (measured / predicted seconds of the forwards it
-ran in, per shape).
+`VerifyCosts` reads the target's tables as published (one per lane count) and interpolates in rows and lanes.
+What the tables cannot know (a busy machine, the drafter competing for the cores) the adaptive mode measures
+(speculation/mode_chooser.py).
 
 Torch-free: the planners hold these; the profilers live in dspark_grpc.runtime.cost_profile.
 """
@@ -22,7 +22,6 @@ import bisect
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -170,38 +169,6 @@ class VerifyCosts:
         lanes_known = [lanes_ for lanes_, _, _ in self.tables]
         per_lane = [_interpolate(sizes, secs, max(rows, 1.0)) for _, sizes, secs in self.tables]
         return _interpolate(lanes_known, per_lane, max(lanes, 1.0))
-
-
-@dataclass
-class Correction:
-    """Measured / predicted seconds of the forwards a planner's steps ran in: an EMA over all of them, and one per
-    shape (rows per session, to the nearest power of two; a plain mean over its first forwards, then an EMA). A
-    table profiled while the machine was busy can be wrong by a different factor for 1 row than for 8; a shape not
-    seen yet uses the EMA over all shapes."""
-
-    overall: float = 1.0
-    shapes: dict[int, tuple[float, int]] = field(default_factory=dict)  # rows bucket -> (EMA, forwards seen)
-
-    def factor(self, rows: float) -> float:
-        known = self.shapes.get(_rows_bucket(rows))
-        return known[0] if known is not None else self.overall
-
-    def observe(self, rows: float, predicted: float, measured: float, alpha: float) -> None:
-        """One forward of `rows` rows per session that the table priced at `predicted` seconds took `measured`."""
-        ratio = min(max(measured / predicted, 0.1), 10.0) if predicted > 0 else 1.0
-        self.overall += alpha * (ratio - self.overall)
-        bucket = _rows_bucket(rows)
-        value, seen = self.shapes.get(bucket, (ratio, 0))
-        value += max(1.0 / (seen + 1), alpha) * (ratio - value)
-        self.shapes[bucket] = (value, seen + 1)
-
-    def copy(self) -> Correction:
-        return Correction(self.overall, dict(self.shapes))
-
-
-def _rows_bucket(rows: float) -> int:
-    """1, 2, 4, 8, ...: the power of two nearest to `rows` (in log scale)."""
-    return 1 << max(0, round(math.log2(max(rows, 1.0))))
 
 
 # -- cache ------------------------------------------------------------------------------------------

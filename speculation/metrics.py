@@ -110,6 +110,10 @@ class SpecDecodeMetrics:
                                              "(the budget the planners chose).", buckets=TOKEN_BUCKETS, registry=r)
         self.draft_ahead = prom.Counter(f"{p}:draft_ahead", "Proposals drafted ahead, by whether they were ready "
                                         "when their step began.", ["outcome"], registry=r)
+        self.adaptive = prom.Gauge(f"{p}:adaptive", "The adaptive mode's view per load (sessions stepping, "
+                                   "bucketed): measured tokens/s per session by arm (ar, speculation), speculation's "
+                                   "measured and predicted speed-up over AR, and whether it speculates now (1/0).",
+                                   ["load", "value"], registry=r)
         self.generation_tokens = prom.Counter(f"{p}:generation_tokens", "Generated tokens.", registry=r)
         self.prompt_tokens = prom.Counter(f"{p}:prompt_tokens", "Prompt tokens.", registry=r)
 
@@ -170,6 +174,13 @@ class SpecDecodeMetrics:
             self.step_choices.labels(choice="cut_to_ar").inc()
         if drafted_ahead:
             self.draft_ahead.labels(outcome="ready" if report.draft_ready else "late").inc()
+
+    def observe_adaptive(self, summary: dict[int, dict[str, float | None]]) -> None:
+        """The adaptive mode's chooser (ModeChooser.summary())."""
+        for load, values in summary.items():
+            for name, value in values.items():
+                if value is not None:
+                    self.adaptive.labels(load=str(load), value=name).set(value)
 
     def summary(self) -> dict[str, Any]:
         """The derived numbers, vLLM's way: mean acceptance length and per-position acceptance rates."""

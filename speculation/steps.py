@@ -1,11 +1,11 @@
 """One decoding step of a target session, as the target runs it with its own drafter (the Step op).
 
 Per session the target keeps a `SessionDrafting`: the draft session's ops waiting for the next round (its open,
-the captures of the rows committed since the last round), the adaptive planner, and the failure that turned
-drafting off for the rest of the request. A step is: `plan` (AR or a proposer), the session's ops of the round
-(`round_ops`), the proposal read back from the round's replies (`read_round`), the tree fitted to the context and
-cut by the planner (`fit`), then the verify, `committed` and `report`. Captures go from the target to the drafter
-only; the client sees token ids and the StepReport.
+the captures of the rows committed since the last round), in adaptive mode the target's `ModeChooser`, and the
+failure that turned drafting off for the rest of the request. A step is: `plan` (AR or a proposer), the session's
+ops of the round (`round_ops`), the proposal read back from the round's replies (`read_round`), the tree fitted to
+the context and cut to the round's plan (`fit`), then the verify, `committed` and `report`. Captures go from the
+target to the drafter only; the client sees token ids and the StepReport.
 """
 
 from __future__ import annotations
@@ -15,32 +15,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.speculation.planner import AR, PlannerMemory, StepPlanner, VerifyCosts
+from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
 from dspark_grpc.speculation.round_planner import predicted_accepted
 from dspark_grpc.speculation.tensors import first_rows, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
-
-
-def planner_arms(proposer: int, info: draft_pb2.GetDrafterInfoResponse) -> list[int]:
-    """Proposers the adaptive planner chooses among: the one asked for, else the drafter's default and, beside
-    a DSpark default, the nearly free prompt lookup. Not beside hybrid: hybrid already follows every n-gram
-    continuation, and as a separate arm prompt lookup took the steps where text repeats, which left the hybrid
-    arm's estimate with the hard steps only (measured: adaptive then ran AR 80 % of the time, at AR's speed,
-    where always-hybrid was 1.24x AR)."""
-    if proposer != draft_pb2.PROPOSER_UNSPECIFIED:
-        return [proposer]
-    default = info.default_proposer or draft_pb2.PROPOSER_DSPARK
-    arms = [default]
-    if default == draft_pb2.PROPOSER_DSPARK and draft_pb2.PROPOSER_NGRAM in info.proposers:
-        arms.append(draft_pb2.PROPOSER_NGRAM)
-    return arms
 
 
 @dataclass
 class FittedTree:
     tree: common_pb2.TokenTree
     proposers: list[int]  # per node of `tree` (0 for the root)
-    predicted_accepted: float | None  # what the chain's confidences predict (for the planner's calibration)
+    predicted_accepted: float | None  # what the chain's confidences predict (for the round's calibration)
+    truncated: bool = False  # the round's plan cut the chain
 
 
 @dataclass
@@ -61,21 +47,22 @@ class SessionDrafting:
     info: draft_pb2.GetDrafterInfoResponse
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     stream_generation: int = 0  # the link stream the draft session lives on (a new stream has lost it)
-    planner: StepPlanner | None = None
+    chooser: ModeChooser | None = None  # adaptive mode: the target's, shared by its sessions
     failure: str | None = None
     opened: bool = False  # its open has been sent
     queued: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
     steps: int = 0
-    reported_switches: int = 0
+    last_arm: int | None = None  # AR or SPECULATE, as last planned
+    switches: list[str] = field(default_factory=list)  # the arm changes not reported yet
+    last_end: float = 0.0  # when the session's last step (or its prefill) ended
     next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,
-              target: common_pb2.Fingerprint, verify_costs: Sequence[common_pb2.CostTable],
-              memory: PlannerMemory | None, stream_generation: int) -> SessionDrafting:
+              target: common_pb2.Fingerprint, chooser: ModeChooser, stream_generation: int) -> SessionDrafting:
         s = cls(session_id, options, info, stream_generation=stream_generation)
         if options.mode == common_pb2.DECODE_MODE_ADAPTIVE:
-            s.planner = StepPlanner(planner_arms(options.proposer, info), VerifyCosts(verify_costs), memory)
+            s.chooser = chooser
         s.queued.append(draft_pb2.DraftSessionRequest(open=draft_pb2.OpenDraft(
             protocol_version=PROTOCOL_VERSION, target=target, session_id=session_id)))
         return s
@@ -105,13 +92,19 @@ class SessionDrafting:
             self.queued.append(draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(
                 session_id=self.session_id, length=length)))
 
-    def plan(self) -> int:
-        """AR, or the proposer to draft with this step."""
+    def plan(self, load: int) -> int:
+        """AR, or the proposer to draft with this step (`load`: the sessions stepping now)."""
         self.steps += 1
         if not self.active:
             return AR
-        if self.planner is not None:
-            return self.planner.choose(self.steps)
+        if self.chooser is not None:
+            arm = self.chooser.choose(load)
+            if arm != self.last_arm:
+                if self.last_arm is not None:
+                    self.switches.append(f"step {self.steps}: {self.chooser.reason(load)}")
+                self.last_arm = arm
+            if arm == AR:
+                return AR
         return self.options.proposer or self.info.default_proposer or draft_pb2.PROPOSER_DSPARK
 
     def round_ops(self, anchor: int, position: int, proposer: int) -> list[draft_pb2.DraftSessionRequest]:
@@ -147,37 +140,34 @@ class SessionDrafting:
 
     def fit(self, proposal: draft_pb2.Proposal, room: int, round_depth: int | None = None) -> FittedTree:
         """The proposal's tree within the context's room; a confident chain cut to the round's plan
-        (speculation/round_planner.py) or, without one, where the session's planner says."""
+        (speculation/round_planner.py)."""
         tree, kept = fit_tree(proposal.tree, room)
         proposers = [proposal.node_proposers[i] if i < len(proposal.node_proposers) else 0 for i in kept]
-        predicted = None
+        predicted, truncated = None, False
         if round_depth is not None:
             values = chain_confidences(tree, proposal.confidences)
             if values is not None:
+                truncated = round_depth < len(values)
                 tree = cut_to_depth(tree, round_depth)
                 predicted = predicted_accepted(values, round_depth)
-        elif self.planner is not None:
-            tree, predicted = cut_chain(self.planner, tree, proposal.confidences)
-        return FittedTree(tree, proposers[: len(tree.tokens)], predicted)
+        return FittedTree(tree, proposers[: len(tree.tokens)], predicted, truncated)
 
-    def observe(self, arm: int, nodes: int, accepted: int, draft_seconds: float, step_seconds: float,
-                verify_seconds: float, batch_sessions: int, batch_rows: int, predicted: float | None) -> None:
-        if self.planner is not None:
-            self.planner.observe(arm, nodes, accepted, draft_seconds, step_seconds, verify_seconds, batch_sessions,
-                                 batch_rows, predicted)
+    def observe(self, arm: int, load: int, tokens: int, ended: float, accepted: int, rows: int,
+                draft_seconds: float) -> None:
+        """A finished step (for the chooser): `tokens` committed, `ended` when (perf_counter)."""
+        waited, self.last_end = ended - self.last_end, ended
+        if self.chooser is not None and self.active:
+            self.chooser.observe(AR if arm == AR else SPECULATE, load, tokens, waited, accepted, rows, draft_seconds)
 
     def new_switches(self) -> str:
-        """The planner's switches since the last report."""
-        if self.planner is None or len(self.planner.switches) == self.reported_switches:
+        """The chooser's switches for this session since the last report."""
+        if not self.switches:
             return ""
-        new = self.planner.switches[self.reported_switches:]
-        self.reported_switches = len(self.planner.switches)
+        new, self.switches = self.switches, []
         return "adaptive: " + "; ".join(new)
 
     def finish(self) -> draft_pb2.DraftSessionRequest | None:
-        """The release to send, if the draft session was opened; stores the planner's estimates."""
-        if self.planner is not None:
-            self.planner.finish()
+        """The release to send, if the draft session was opened."""
         if not self.opened:
             return None
         return draft_pb2.DraftSessionRequest(release=draft_pb2.ReleaseDraft(session_id=self.session_id))
@@ -216,17 +206,6 @@ def chain_confidences(tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
     if n < 1 or not values or list(tree.parents) != list(range(-1, n)):
         return None
     return values[:n]
-
-
-def cut_chain(planner: StepPlanner, tree: common_pb2.TokenTree, confidences: common_pb2.Tensor
-              ) -> tuple[common_pb2.TokenTree, float | None]:
-    """Cut a chain that carries confidences to the depth the planner picks; also what the uncalibrated confidences
-    predict for what is kept (for the planner's calibration). Trees and chains without confidences pass unchanged."""
-    values = chain_confidences(tree, confidences)
-    if values is None:
-        return tree, None
-    m = planner.cut_chain(values)
-    return cut_to_depth(tree, m), predicted_accepted(values, m)
 
 
 def cut_to_depth(tree: common_pb2.TokenTree, depth: int) -> common_pb2.TokenTree:

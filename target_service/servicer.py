@@ -22,8 +22,9 @@ from dspark_grpc.runtime.serving import check_enum, log_refusal, run_session_op,
 from dspark_grpc.runtime.sessions import Owner
 from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
+from dspark_grpc.speculation.cost_table import VerifyCosts
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.speculation.planner import AR, PlannerMemory, VerifyCosts
+from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
 from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths
 from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob, RoundReply
@@ -126,7 +127,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.ahead = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-ahead")
         self.default_mode = default_mode
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
-        self.planner_memory = PlannerMemory()  # the adaptive planner's estimates, across sessions
+        self.chooser = ModeChooser()  # adaptive mode: speculate or AR, per load (its cost table set at load)
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -175,6 +176,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self._costs is None or self._costs[0] is not engine.cost_tables:
             tables = [t.to_proto() for t in engine.cost_tables]
             self._costs = (engine.cost_tables, tables, VerifyCosts(tables))
+            self.chooser.costs = self._costs[2] if tables else None
         return self._costs[1], self._costs[2]
 
     def _plan_round(self, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
@@ -190,8 +192,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             proposal = reply.replies[-1].proposal
             values = chain_confidences(proposal.tree, proposal.confidences)
             if values is not None:
-                adaptive = job.drafting.options.mode == common_pb2.DECODE_MODE_ADAPTIVE
-                chains.append((reply, values, 0 if adaptive else 1))  # adaptive may cut a session to AR
+                chains.append((reply, values, 1))  # a session that drafted verifies at least one token
         if chains:
             costs = self._cost_tables(engine)[1]
             depths = plan_depths([v for _, v, _ in chains], [m for _, _, m in chains], self.round_calibration.value,
@@ -220,6 +221,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
             drafting = self.drafting.get(m.session_id)
             if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
+                drafting.last_end = time.perf_counter()
                 drafting.sampling.CopyFrom(m.sampling)
                 drafting.append(0, list(out.prompt_tokens), capture)
                 capture = None
@@ -305,9 +307,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             sid = engine.open_session([], None, m.protocol_version, m.max_length, owner)
         if info is not None:
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
-            self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint,
-                                                       self._cost_tables(engine)[0],
-                                                       self.planner_memory, self.rounds.generation)
+            self._cost_tables(engine)
+            self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
+                                                       self.rounds.generation)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
             fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
@@ -324,7 +326,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if drafting is not None:
             planned, drafting.next = drafting.next, None
             if planned is None:
-                planned = NextStep(drafting.plan())
+                planned = NextStep(drafting.plan(len(engine.sessions)))
         arm = planned.arm if planned is not None else AR
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
@@ -344,7 +346,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 reply_depth = reply.depth
                 report.draft_seconds = time.perf_counter() - t0
                 if proposal is not None:
-                    truncated = drafting.planner.truncated if drafting.planner is not None else 0
                     fitted = drafting.fit(proposal, max_length - length, reply.depth)
                     try:
                         _check_tree_tensors(fitted.tree)
@@ -353,7 +354,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     else:
                         tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
                         report.draft_batch_sessions = proposal.batch_sessions
-                        report.truncated = drafting.planner is not None and drafting.planner.truncated > truncated
+                        report.truncated = fitted.truncated
             draft_ids, draft_logprobs = _check_tree_tensors(tree)
             t1 = time.perf_counter()
             out = engine.verify(sid, list(tree.tokens), list(tree.parents), True, False, draft_ids, draft_logprobs)
@@ -371,26 +372,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if drafting is not None:
             layers = engine.sessions.get(sid).capture_layers
             drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
-            report.planned_ar = arm == AR and drafting.planner is not None and drafting.active
+            report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)
-            drafting.observe(arm, len(tree.tokens), len(out.path) - 1, report.draft_seconds, t2 - t0,
-                             out.batch.seconds, out.batch.jobs, out.batch.rows, predicted)
+            load = len(engine.sessions)
+            drafting.observe(arm, load, len(out.path), t2, len(out.path) - 1, len(tree.tokens), report.draft_seconds)
             if self.draft_ahead and drafting.active and committed.length + 1 < max_length:
-                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length)
+                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []
             if switches := drafting.new_switches():
                 reasons.append(switches)
             report.fallback_reason = "; ".join(reasons)
             if self.metrics is not None:
                 self.metrics.observe_step(report, planned is not None and planned.reply is not None)
+                if drafting.chooser is not None:
+                    self.metrics.observe_adaptive(drafting.chooser.summary())
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
 
-    def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int) -> NextStep:
+    def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int, load: int) -> NextStep:
         """Plan the session's next step now and, if it drafts, ask for its proposal at once: the drafter works
         while the reply travels to the client and its next Step comes back."""
-        arm = drafting.plan()
+        arm = drafting.plan(load)
         if arm == AR:
             return NextStep(AR)
         ops = drafting.round_ops(anchor, position, arm)

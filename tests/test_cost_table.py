@@ -1,17 +1,17 @@
-"""The cost model: tables monotone by construction, interpolation/extrapolation, the planner's online correction,
-JSON, the disk cache, and the target profiler on a tiny random model (the drafter's: tests/service/
-test_draft_batching.py)."""
+"""The cost model: tables monotone by construction, interpolation/extrapolation, JSON, the disk cache, and the
+target profiler on a tiny random model (the drafter's: tests/service/test_draft_batching.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.cost_profile import profile_target, target_cost_tables, target_key, time_sizes
 from dspark_grpc.speculation.cost_table import (
-    Correction,
     CostKey,
     CostTable,
+    VerifyCosts,
     lanes_problem,
     load_or_profile,
     spot_check_problem,
@@ -47,24 +47,6 @@ def test_interpolation_and_extrapolation():
     assert t.predict(16) == pytest.approx(8.0)  # the last segment's slope: 0.5 s per row
     single = CostTable(KEY, [1], [0.25])
     assert single.predict(1) == single.predict(64) == 0.25
-
-
-def test_correction_is_kept_per_shape_and_over_all_shapes():
-    c = Correction()
-    assert c.factor(1) == c.factor(8) == 1.0  # nothing seen: trust the table
-    c.observe(8, predicted=1.0, measured=2.0, alpha=0.5)
-    assert c.factor(8) == 2.0  # a shape's first forward: its own ratio, not an EMA from 1
-    assert c.factor(6) == c.factor(11) == 2.0 and c.factor(12) == 1.5  # nearest power of two, in log scale
-    assert c.overall == pytest.approx(1.5) and c.factor(1) == pytest.approx(1.5)  # unseen shapes: over all shapes
-    c.observe(8, predicted=1.0, measured=1.0, alpha=0.1)
-    assert c.factor(8) == pytest.approx(1.5)  # a plain mean of the first forwards, then an EMA
-    c.observe(1, predicted=1.0, measured=1000.0, alpha=0.5)
-    assert c.factor(1) == 10.0  # clamped to 10x
-    c.observe(2, predicted=0.0, measured=1.0, alpha=0.5)
-    assert c.factor(2) == 1.0  # a table that says free: no ratio
-    copy = c.copy()
-    copy.observe(8, predicted=1.0, measured=1.0, alpha=0.5)
-    assert c.factor(8) == pytest.approx(1.5) and copy.factor(8) != c.factor(8)
 
 
 def test_json_round_trip(tmp_path):
@@ -213,3 +195,14 @@ def test_fresh_tables_that_contradict_each_other_are_made_monotone_in_sessions()
     fixed = _monotone_in_lanes(_lane_tables({1: [0.137, 0.140], 2: [0.090, 0.095], 8: [0.052, 0.200]}))
     assert [t.seconds for t in fixed] == [[0.137, 0.140], [0.137, 0.140], [0.137, 0.200]]
     assert lanes_problem(fixed) is None
+
+
+def test_verify_costs_interpolate_rows_and_lanes():
+    tables = [common_pb2.CostTable(lanes=1, sizes=[1, 2, 4, 8, 16], seconds=[0.050, 0.070, 0.072, 0.075, 0.090]),
+              common_pb2.CostTable(lanes=8, sizes=[1, 2, 4, 8, 16], seconds=[0.090, 0.110, 0.150, 0.220, 0.350])]
+    costs = VerifyCosts(tables)
+    assert costs.seconds(1, 1) == pytest.approx(0.050)
+    assert costs.seconds(1, 3) == pytest.approx(0.071)
+    assert costs.seconds(8, 4) == pytest.approx(0.150)
+    assert costs.seconds(4.5, 1) == pytest.approx((0.050 + 0.090) / 2)  # halfway between the 1- and 8-lane tables
+    assert not VerifyCosts([])

@@ -7,6 +7,7 @@ import threading
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.generation import RequestError
+from dspark_grpc.speculation.mode_chooser import ModeChooser
 from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
 
@@ -57,8 +58,8 @@ class FakeLink:
 
 def drafting(sid: str, generation: int = 0) -> SessionDrafting:
     options = target_pb2.StepOptions(mode=common_pb2.DECODE_MODE_SPECULATION)
-    return SessionDrafting.start(sid, options, draft_pb2.GetDrafterInfoResponse(), common_pb2.Fingerprint(), [],
-                                 None, generation)
+    return SessionDrafting.start(sid, options, draft_pb2.GetDrafterInfoResponse(), common_pb2.Fingerprint(),
+                                 ModeChooser(), generation)
 
 
 def run_round(rounds: DraftRounds, sessions: list[SessionDrafting]) -> list:

@@ -135,3 +135,18 @@ def test_step_metrics_count_the_planners_choices_and_draft_ahead():
     assert _value(m, "dspark:verified_draft_depth_sum") == 5
     assert _value(m, "dspark:draft_ahead_total", outcome="ready") == 1
     assert _value(m, "dspark:draft_ahead_total", outcome="late") == 1
+
+
+def test_the_adaptive_choosers_view_is_exported_per_load():
+    from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
+
+    chooser = ModeChooser()
+    chooser.observe(SPECULATE, 1, 3, 0.06, accepted=2, rows=4)
+    chooser.observe(AR, 1, 1, 0.05)
+    chooser.choose(1)
+    m = SpecDecodeMetrics()
+    m.observe_adaptive(chooser.summary())
+    assert _value(m, "dspark:adaptive", load="1", value="speculation") == pytest.approx(50.0)
+    assert _value(m, "dspark:adaptive", load="1", value="ar") == pytest.approx(20.0)
+    assert _value(m, "dspark:adaptive", load="1", value="measured_speedup") == pytest.approx(2.5)
+    assert _value(m, "dspark:adaptive", load="1", value="speculating") == 1.0

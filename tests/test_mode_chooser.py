@@ -1,0 +1,116 @@
+"""The adaptive mode's chooser on synthetic steps: a fake cost table and fake acceptance, no clock (the seconds
+each step waited are computed from the table and handed in)."""
+
+from __future__ import annotations
+
+import pytest
+from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.speculation.cost_table import VerifyCosts
+from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser, load_bucket
+
+# A CPU-like target: one session's forward costs little more for 4 rows than for 1; eight sessions' forwards are
+# compute-bound, so every row costs.
+TABLES = [common_pb2.CostTable(lanes=1, sizes=[1, 2, 4, 8], seconds=[0.050, 0.052, 0.056, 0.064]),
+          common_pb2.CostTable(lanes=8, sizes=[1, 2, 4, 8], seconds=[0.100, 0.140, 0.260, 0.500])]
+COSTS = VerifyCosts(TABLES)
+ROWS, DRAFT_SECONDS = 4, 0.004
+
+
+def step_seconds(arm: int, load: int, busy: float = 1.0) -> float:
+    """What a session waits for one step in the fake system (one forward of `load` sessions, plus the drafter)."""
+    if arm == AR:
+        return COSTS.seconds(load, 1) * busy
+    return COSTS.seconds(load, ROWS) * busy + DRAFT_SECONDS
+
+
+def run(chooser: ModeChooser, load: int, steps: int, accepted: int, busy: float = 1.0) -> tuple[list[int], float]:
+    """`steps` steps at `load`: the arms chosen and the goodput reached (tokens per second per session)."""
+    arms, tokens, seconds = [], 0, 0.0
+    for _ in range(steps):
+        arm = chooser.choose(load)
+        got = 1 + (accepted if arm == SPECULATE else 0)
+        waited = step_seconds(arm, load, busy)
+        chooser.observe(arm, load, got, waited, accepted if arm == SPECULATE else 0, ROWS, DRAFT_SECONDS)
+        arms.append(arm)
+        tokens, seconds = tokens + got, seconds + waited
+    return arms, tokens / seconds
+
+
+def best_goodput(load: int, accepted: int, busy: float = 1.0) -> float:
+    return max(1 / step_seconds(AR, load, busy), (1 + accepted) / step_seconds(SPECULATE, load, busy))
+
+
+def test_load_buckets():
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 1, 2, 3, 4, 8, 8, 16, 16, 32]
+
+
+def test_the_prediction_flips_from_speculation_to_ar_as_sessions_grow():
+    chooser = ModeChooser(COSTS)
+    assert chooser.predicted_speedup(1) is None  # nothing measured: no prediction
+    chooser.observe(SPECULATE, 1, 2, 0.06, accepted=1, rows=ROWS, draft_seconds=DRAFT_SECONDS)
+    # one accepted token per step, 4 rows: alone 2 tokens for 0.060 s against 1 for 0.050 s; among 8, 2 tokens
+    # for 0.264 s against 1 for 0.100 s
+    assert chooser.predicted_speedup(1) == pytest.approx(2 * 0.050 / 0.060)
+    assert chooser.predicted_speedup(8) == pytest.approx(2 * 0.100 / 0.264)
+    assert chooser.choose(1) == SPECULATE
+    assert chooser.choose(8) == AR  # a load never measured starts where the cost table says
+
+
+@pytest.mark.parametrize("load", [1, 8])
+def test_measured_goodput_decides_and_holds_the_bar(load):
+    chooser = ModeChooser()  # no cost table: it measures both arms
+    arms, goodput = run(chooser, load, 2000, accepted=1)
+    better = SPECULATE if load == 1 else AR
+    assert chooser.buckets[load].best == better
+    assert arms.count(better) / len(arms) > 0.9
+    assert goodput >= 0.97 * best_goodput(load, accepted=1)
+
+
+def test_a_drafter_that_is_never_right_is_probed_less_and_less():
+    chooser = ModeChooser()
+    arms, goodput = run(chooser, 1, 3000, accepted=0)
+    assert goodput >= 0.95 * best_goodput(1, accepted=0)
+    probes = [i for i in range(1, len(arms)) if arms[i] == SPECULATE and arms[i - 1] == AR]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 32 * chooser.window_tokens(1)  # backing off up to max_interval
+
+
+def test_a_busier_machine_flips_the_choice_when_speculation_stops_paying():
+    """Speculating is worth it at load 2 until the machine gets slower for the target's forwards than the table
+    says (another process on the cores): the chooser follows what it measures, not the table."""
+    chooser = ModeChooser(COSTS)
+    run(chooser, 2, 500, accepted=1)
+    assert chooser.choose(2) == SPECULATE
+    # speculation now accepts nothing: its steps only cost
+    arms, goodput = run(chooser, 2, 2000, accepted=0, busy=1.5)
+    assert chooser.buckets[2].best == AR and arms[-500:].count(AR) > 450
+    assert chooser.summary()[2]["ar"] > chooser.summary()[2]["speculation"]
+
+
+def test_loads_keep_their_own_estimates():
+    chooser = ModeChooser()
+    run(chooser, 1, 500, accepted=1)
+    run(chooser, 8, 1000, accepted=1)
+    assert chooser.choose(1) == SPECULATE and chooser.choose(8) == AR
+    assert "measured" in chooser.reason(8) and chooser.reason(8).startswith("AR at 8 sessions")
+
+
+def test_steps_planned_before_a_switch_are_samples_but_do_not_count_in_the_window():
+    chooser = ModeChooser(min_window=4, window_per_session=1)
+    assert chooser.choose(1) == SPECULATE  # first try
+    chooser.observe(AR, 1, 1, 0.05)  # an AR step planned earlier
+    assert chooser.buckets[1].window_left == 4 and chooser.buckets[1].rates[AR].steps == 1
+    for _ in range(2):  # a window of 4 tokens
+        chooser.observe(SPECULATE, 1, 2, 0.06, 1, ROWS)
+    assert chooser.buckets[1].rates[AR].steps == 1
+    assert chooser.choose(1) == SPECULATE  # AR measured already (1/0.05 < 2/0.06): no probe needed yet
+
+
+def test_a_new_load_starts_from_its_neighbours():
+    chooser = ModeChooser()
+    run(chooser, 8, 1000, accepted=1)
+    assert chooser.buckets[8].best == AR
+    assert chooser.choose(16) == AR  # AR already wins at fewer sessions: no speculative first window at 16
+    assert chooser.reason(16) == "AR at 16 sessions (AR measured better at 8 sessions)"
+    run(chooser, 1, 500, accepted=1)
+    assert chooser.choose(2) == SPECULATE and chooser.buckets[2].best is None  # 1 speculates, 8 does not: measure
