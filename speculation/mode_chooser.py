@@ -3,10 +3,11 @@ per load (the sessions stepping at once), from measured goodput.
 
 A speculative step is paid by every session in its forward (wider rows) and by the drafter's pass, which on shared
 cores competes with the target. What that costs depends on the load, the machine and whatever else runs on it, so
-the chooser measures instead of predicting. Every step of an adaptive session is a sample of its arm (AR or
-SPECULATE) at its load bucket: the tokens it committed and the seconds since the same session's previous step ended
-(the drafter's wait, the verify, the round trip: all a session waits for). A session's goodput with an arm is the
-ratio of the EMAs of the two; at a fixed load the target's goodput is that times the load, so the arms compare by it.
+the chooser measures instead of predicting. Every step a session runs with the target's drafter or without it, in
+any mode, is a sample of its arm (AR or SPECULATE) at its load bucket: the tokens it committed and the seconds since
+the same session's previous step ended (the drafter's wait, the verify, the round trip: all a session waits for). A
+session's goodput with an arm is the ratio of the EMAs of the two; at a fixed load the target's goodput is that
+times the load, so the arms compare by it.
 
 Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed tokens (so a window of the slower
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
@@ -148,14 +149,19 @@ class ModeChooser:
                 self._next_window(b, load)
 
     def _start(self, b: Bucket, load: int) -> None:
-        """A bucket's first window. Speculation pays less as load grows, so a load that loses to AR at fewer sessions
-        starts with AR (and one that wins at more sessions speculates) without probing the other arm at once;
-        else the cost table's prediction starts it (a clear one also waits to probe)."""
+        """A bucket's first window: the better arm if steps of other sessions (any mode) measured both. Speculation pays
+        less as load grows, so a load that loses to AR at fewer sessions starts with AR (and one that wins at more
+        sessions speculates) without probing the other arm at once; else the cost table's prediction starts it (a clear
+        one also waits to probe)."""
         n = load_bucket(load)
         fewer = [m for m, o in self.buckets.items() if m < n and o.best == AR]
         more = [m for m, o in self.buckets.items() if m > n and o.best == SPECULATE]
         predicted = self.predicted_speedup(load)
-        if fewer:
+        ar, spec = b.rates[AR].per_second, b.rates[SPECULATE].per_second
+        if ar is not None and spec is not None:  # other sessions' steps measured both already
+            b.arm = b.best = AR if ar >= spec else SPECULATE
+            b.reason = f"measured {spec / ar:.2f}x AR speculating"
+        elif fewer:
             b.arm = b.best = AR
             b.reason = f"AR measured better at {max(fewer)} sessions"
         elif more:

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
+from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
 from dspark_grpc.speculation.round_planner import predicted_accepted
 from dspark_grpc.speculation.tensors import first_rows, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
@@ -54,7 +54,6 @@ class SessionDrafting:
     steps: int = 0
     last_arm: int | None = None  # AR or SPECULATE, as last planned
     switches: list[str] = field(default_factory=list)  # the arm changes not reported yet
-    last_end: float = 0.0  # when the session's last step (or its prefill) ended
     next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
 
     @classmethod
@@ -151,13 +150,6 @@ class SessionDrafting:
                 tree = cut_to_depth(tree, round_depth)
                 predicted = predicted_accepted(values, round_depth)
         return FittedTree(tree, proposers[: len(tree.tokens)], predicted, truncated)
-
-    def observe(self, arm: int, load: int, tokens: int, ended: float, accepted: int, rows: int,
-                draft_seconds: float) -> None:
-        """A finished step (for the chooser): `tokens` committed, `ended` when (perf_counter)."""
-        waited, self.last_end = ended - self.last_end, ended
-        if self.chooser is not None and self.active:
-            self.chooser.observe(AR if arm == AR else SPECULATE, load, tokens, waited, accepted, rows, draft_seconds)
 
     def new_switches(self) -> str:
         """The chooser's switches for this session since the last report."""

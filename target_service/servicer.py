@@ -24,7 +24,7 @@ from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.speculation.cost_table import VerifyCosts
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
-from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
+from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
 from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths
 from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob, RoundReply
@@ -127,7 +127,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.ahead = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-ahead")
         self.default_mode = default_mode
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
-        self.chooser = ModeChooser()  # adaptive mode: speculate or AR, per load (its cost table set at load)
+        # adaptive mode: speculate or AR, per load (its cost table set at load); it learns from every session's
+        # steps, whatever its mode: an AR session's step is a sample of AR as much as an adaptive one's
+        self.chooser = ModeChooser()
+        self.step_ended: dict[str, float] = {}  # per session: when its last step (or its prefill) ended
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -166,6 +169,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self._stop_drafting(sid)
 
     def _stop_drafting(self, session_id: str) -> None:
+        self.step_ended.pop(session_id, None)
         drafting = self.drafting.pop(session_id, None)
         if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
             self.rounds.release(drafting, op)
@@ -219,9 +223,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
                                  sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
+            self.step_ended[m.session_id] = time.perf_counter()
             drafting = self.drafting.get(m.session_id)
             if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
-                drafting.last_end = time.perf_counter()
                 drafting.sampling.CopyFrom(m.sampling)
                 drafting.append(0, list(out.prompt_tokens), capture)
                 capture = None
@@ -272,6 +276,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         raise InvalidArgument("empty request: set one of open, prefill, verify, commit, rollback, release, step")
 
     def _open(self, engine: TargetEngine, m: target_pb2.OpenSession, owner: object) -> target_pb2.SessionOpened:
+        for gone in [sid for sid in list(self.step_ended) if sid not in engine.sessions]:  # evicted while idle
+            self._stop_drafting(gone)
         layers = list(m.capture_layer_ids)
         drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
         options = target_pb2.StepOptions()
@@ -369,14 +375,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         report.tree_nodes = len(tree.tokens)
         report.accepted_proposers.extend(proposers[n] if n < len(proposers) else 0 for n in out.path[1:])
         report.batch_sessions, report.batch_rows = out.batch.jobs, out.batch.rows
+        load = len(engine.sessions)
+        if (started := self.step_ended.get(sid)) is not None:  # what the session waited for this step, any mode
+            self.step_ended[sid] = t2
+            speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
+            self.chooser.observe(SPECULATE if speculated else AR, load, len(out.path), t2 - started,
+                                 len(out.path) - 1, len(tree.tokens), report.draft_seconds)
         if drafting is not None:
             layers = engine.sessions.get(sid).capture_layers
             drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
             report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)
-            load = len(engine.sessions)
-            drafting.observe(arm, load, len(out.path), t2, len(out.path) - 1, len(tree.tokens), report.draft_seconds)
             if self.draft_ahead and drafting.active and committed.length + 1 < max_length:
                 drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []

@@ -114,3 +114,13 @@ def test_a_new_load_starts_from_its_neighbours():
     assert chooser.reason(16) == "AR at 16 sessions (AR measured better at 8 sessions)"
     run(chooser, 1, 500, accepted=1)
     assert chooser.choose(2) == SPECULATE and chooser.buckets[2].best is None  # 1 speculates, 8 does not: measure
+
+
+def test_steps_of_other_modes_measure_a_load_before_an_adaptive_session_runs_there():
+    chooser = ModeChooser(COSTS)
+    for _ in range(50):  # sessions of modes AR and speculation at load 4: both arms measured, no window run
+        chooser.observe(AR, 4, 1, 0.05)
+        chooser.observe(SPECULATE, 4, 2, 0.12, accepted=1, rows=ROWS)
+    assert chooser.buckets[4].arm is None
+    assert chooser.choose(4) == AR  # 16.7 tokens/s speculating against 20 for AR
+    assert chooser.buckets[4].best == AR and "measured 0.83x" in chooser.reason(4)
