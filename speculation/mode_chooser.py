@@ -11,11 +11,11 @@ times the load, so the arms compare by it.
 
 Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed tokens (so a window of the slower
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
-`interval` windows, the interval doubling (up to `max_interval`) each time the probe loses (quadrupling when it
-loses by far) and dropping back to `min_interval` when it wins. A bucket never measured starts from its neighbours
-(speculation pays less as load grows: a load that AR wins at fewer sessions starts with AR) or else with the arm
-that `predicted_speedup` favours (the target's cost table, the acceptance and drafting seconds measured at any load
-so far), and probes the other after its first window unless that was clear.
+`interval` windows (it takes over if it wins by `margin`), the interval doubling (up to `max_interval`) each time
+the probe loses (quadrupling when it loses by far) and dropping back to `min_interval` when it wins. A bucket never
+measured starts from its neighbours (speculation pays less as load grows: a load that AR wins at fewer sessions
+starts with AR) or else with the arm that `predicted_speedup` favours (the target's cost table, the acceptance and
+drafting seconds measured at any load so far), and probes the other after its first window unless that was clear.
 
 Speculation is lossless, so which arm runs never changes the output.
 """
@@ -82,13 +82,15 @@ class Spending:
 
 
 class ModeChooser:
-    def __init__(self, costs: VerifyCosts | None = None, alpha: float = 0.02, window_per_session: int = 4,
-                 min_window: int = 16, min_interval: int = 2, max_interval: int = 32, clear: float = 0.2) -> None:
+    def __init__(self, costs: VerifyCosts | None = None, alpha: float = 0.02, window_per_session: int = 8,
+                 min_window: int = 32, min_interval: int = 4, max_interval: int = 32, clear: float = 0.2,
+                 margin: float = 1.03) -> None:
         self.costs = costs
         self.alpha = alpha
         self.window_per_session, self.min_window = window_per_session, min_window
         self.min_interval, self.max_interval = min_interval, max_interval
         self.clear = clear  # a difference in goodput taken as clear (no need to measure the other arm soon)
+        self.margin = margin
         self.buckets: dict[int, Bucket] = {}
         self.spending = Spending()
         self.windows = {AR: 0, SPECULATE: 0}  # windows run per arm (for /metrics)
@@ -186,8 +188,14 @@ class ModeChooser:
             return
         best = b.best
         if rates[AR] is not None and rates[SPECULATE] is not None:
-            best = AR if rates[AR] >= rates[SPECULATE] else SPECULATE
-            b.reason = f"measured {rates[SPECULATE] / rates[AR]:.2f}x AR speculating"
+            ratio = rates[SPECULATE] / rates[AR]
+            # the other arm must win by `margin` to take over: arms about as fast would swap every window, and a
+            # switch costs (AR -> speculation: the drafter catches up on the rows it missed, nothing drafted ahead)
+            if b.best is None:
+                best = SPECULATE if ratio > 1.0 else AR
+            elif ratio > self.margin or ratio < 1.0 / self.margin:
+                best = SPECULATE if ratio > 1.0 else AR
+            b.reason = f"measured {ratio:.2f}x AR speculating"
             if b.probing and best == b.arm:  # the probe won
                 b.interval = self.min_interval
             elif b.probing:  # lost: probe less often, much less if it lost by far
