@@ -130,7 +130,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # adaptive mode: speculate or AR, per load (its cost table set at load); it learns from every session's
         # steps, whatever its mode: an AR session's step is a sample of AR as much as an adaptive one's
         self.chooser = ModeChooser()
-        self.step_ended: dict[str, float] = {}  # per session: when its last step (or its prefill) ended
+        # per session: when its last step (or its prefill) ended, and whether it speculated
+        self.step_ended: dict[str, tuple[float, int | None]] = {}
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -223,7 +224,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
                                  sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
-            self.step_ended[m.session_id] = time.perf_counter()
+            self.step_ended[m.session_id] = (time.perf_counter(), None)
             drafting = self.drafting.get(m.session_id)
             if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
                 drafting.sampling.CopyFrom(m.sampling)
@@ -376,11 +377,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         report.accepted_proposers.extend(proposers[n] if n < len(proposers) else 0 for n in out.path[1:])
         report.batch_sessions, report.batch_rows = out.batch.jobs, out.batch.rows
         load = len(engine.sessions)
-        if (started := self.step_ended.get(sid)) is not None:  # what the session waited for this step, any mode
-            self.step_ended[sid] = t2
-            speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
-            self.chooser.observe(SPECULATE if speculated else AR, load, len(out.path), t2 - started,
-                                 len(out.path) - 1, len(tree.tokens), report.draft_seconds)
+        speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
+        arm_now = SPECULATE if speculated else AR
+        started, arm_before = self.step_ended.get(sid, (None, None))
+        if started is not None:
+            self.step_ended[sid] = (t2, arm_now)
+            if arm_before in (None, arm_now):  # a session's first step in another arm is a switch, not a sample
+                self.chooser.observe(arm_now, load, len(out.path), t2 - started, len(out.path) - 1, len(tree.tokens),
+                                     report.draft_seconds)
         if drafting is not None:
             layers = engine.sessions.get(sid).capture_layers
             drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
