@@ -42,16 +42,17 @@ def load_bucket(load: int) -> int:
 
 @dataclass
 class ArmRate:
-    """Ratio of EMAs: tokens committed and seconds waited per step."""
+    """Ratio of EMAs: tokens committed and seconds waited per step. The tokens of a speculative step vary far more
+    (1 to 1 + depth) than its seconds and hardly with the machine, so they are averaged over 4x as many steps."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     steps: int = 0
 
     def add(self, tokens: int, seconds: float, alpha: float) -> None:
-        a = max(alpha, 1.0 / (self.steps + 1))  # a plain mean at first, then an EMA
-        self.tokens += a * (tokens - self.tokens)
-        self.seconds += a * (seconds - self.seconds)
+        first = 1.0 / (self.steps + 1)  # a plain mean at first, then EMAs
+        self.tokens += max(alpha / 4, first) * (tokens - self.tokens)
+        self.seconds += max(alpha, first) * (seconds - self.seconds)
         self.steps += 1
 
     @property
