@@ -24,6 +24,7 @@ Speculation is lossless, so which arm runs never changes the output.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from dspark_grpc.speculation.cost_table import VerifyCosts
@@ -86,17 +87,29 @@ class Spending:
 class ModeChooser:
     def __init__(self, costs: VerifyCosts | None = None, alpha: float = 0.02, window_per_session: int = 8,
                  min_window: int = 32, min_interval: int = 4, max_interval: int = 32, clear: float = 0.2,
-                 margin: float = 1.03) -> None:
+                 margin: float = 1.03, load_memory_s: float = 1.0) -> None:
         self.costs = costs
         self.alpha = alpha
         self.window_per_session, self.min_window = window_per_session, min_window
         self.min_interval, self.max_interval = min_interval, max_interval
         self.clear = clear  # a difference in goodput taken as clear (no need to measure the other arm soon)
         self.margin = margin
+        self.load_memory_s = load_memory_s
+        self._loads: deque[tuple[float, int]] = deque()  # (time, sessions live) over the last load_memory_s
         self.buckets: dict[int, Bucket] = {}
         self.spending = Spending()
         self.windows = {AR: 0, SPECULATE: 0}  # windows run per arm (for /metrics)
         self.lock = threading.Lock()
+
+    def load(self, live: int, now: float) -> int:
+        """The load to decide and measure by: the most sessions live in the last `load_memory_s` seconds. Between a
+        request that ends and the next one that opens the count dips; that is not a change of load, and a bucket
+        switched for it would run the other arm for a step (at 4 sessions, 3 speculated while 4 ran AR)."""
+        with self.lock:
+            self._loads.append((now, live))
+            while self._loads and self._loads[0][0] < now - self.load_memory_s:
+                self._loads.popleft()
+            return max(n for _, n in self._loads)
 
     def window_tokens(self, load: int) -> int:
         return max(self.min_window, self.window_per_session * load)

@@ -333,7 +333,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if drafting is not None:
             planned, drafting.next = drafting.next, None
             if planned is None:
-                planned = NextStep(drafting.plan(len(engine.sessions)))
+                planned = NextStep(drafting.plan(self.chooser.load(len(engine.sessions), time.perf_counter())))
         arm = planned.arm if planned is not None else AR
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
@@ -376,7 +376,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         report.tree_nodes = len(tree.tokens)
         report.accepted_proposers.extend(proposers[n] if n < len(proposers) else 0 for n in out.path[1:])
         report.batch_sessions, report.batch_rows = out.batch.jobs, out.batch.rows
-        load = len(engine.sessions)
+        load = self.chooser.load(len(engine.sessions), t2)
         speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
         arm_now = SPECULATE if speculated else AR
         started, arm_before = self.step_ended.get(sid, (None, None))

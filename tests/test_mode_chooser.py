@@ -124,3 +124,12 @@ def test_steps_of_other_modes_measure_a_load_before_an_adaptive_session_runs_the
     assert chooser.buckets[4].arm is None
     assert chooser.choose(4) == AR  # 16.7 tokens/s speculating against 20 for AR
     assert chooser.buckets[4].best == AR and "measured 0.83x" in chooser.reason(4)
+
+
+def test_the_load_ignores_the_dip_between_one_request_and_the_next():
+    chooser = ModeChooser(load_memory_s=1.0)
+    assert chooser.load(4, now=10.0) == 4
+    assert chooser.load(3, now=10.2) == 4  # one request ended, the next not opened yet
+    assert chooser.load(4, now=10.3) == 4
+    assert chooser.load(2, now=11.0) == 4
+    assert chooser.load(2, now=11.4) == 2  # the tail of a run: the load fell for longer than a second
