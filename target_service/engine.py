@@ -122,6 +122,10 @@ class TargetEngine:
             name="target-forward", on_batch=self._on_batch, session=lambda inp: id(inp.cache))
         self.on_forward = None  # optional callable(BatchInfo), e.g. Prometheus metrics
         self.cost_tables: list = []  # client.cost_table.CostTable per lanes, when profiled
+        # prefills started + ended, and running: a step whose wait saw neither change nor a running prefill did not
+        # wait for another session's prompt (the adaptive mode's samples)
+        self.prefill_epoch, self.prefills_running = 0, 0
+        self._prefill_lock = threading.Lock()
 
     def _on_batch(self, info: BatchInfo) -> None:
         if self.on_forward is not None:
@@ -209,14 +213,28 @@ class TargetEngine:
             self.sessions.get(session_id)  # released meanwhile (its stream ended): no further chunk is run
             return self._forward(inp, then=wire_captures)
 
-        with s.lock:
-            logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=forward)
-            next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
-                                                                   s.generator))[1])
+        self._count_prefill(+1)
+        try:
+            with s.lock:
+                logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=forward)
+                next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
+                                                                       s.generator))[1])
+        finally:
+            self._count_prefill(-1)
         s.tokens = [*ids, next_token]
         s.prompt_length = len(ids)
         s.decoder = IncrementalDecoder(self.tokenizer)
         return Prefilled(ids, next_token, captures, s.decoder.add(next_token))
+
+    def _count_prefill(self, change: int) -> None:
+        with self._prefill_lock:
+            self.prefill_epoch += 1
+            self.prefills_running += change
+
+    def prefill_state(self) -> tuple[int, int]:
+        """(prefill_epoch, prefills_running)."""
+        with self._prefill_lock:
+            return self.prefill_epoch, self.prefills_running
 
     def verify(self, session_id: str, tokens: list[int], parents: list[int], commit: bool = False,
                return_logits: bool = False, draft_ids: torch.Tensor | None = None,

@@ -131,7 +131,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # steps, whatever its mode: an AR session's step is a sample of AR as much as an adaptive one's
         self.chooser = ModeChooser()
         # per session: when its last step (or its prefill) ended, and whether it speculated
-        self.step_ended: dict[str, tuple[float, int | None]] = {}
+        self.step_ended: dict[str, tuple[float, int | None, int]] = {}  # and the engine's prefill epoch then
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -224,7 +224,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
                                  sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
-            self.step_ended[m.session_id] = (time.perf_counter(), None)
+            self.step_ended[m.session_id] = (time.perf_counter(), None, engine.prefill_state()[0])
             drafting = self.drafting.get(m.session_id)
             if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
                 drafting.sampling.CopyFrom(m.sampling)
@@ -379,10 +379,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         load = self.chooser.load(len(engine.sessions), t2)
         speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
         arm_now = SPECULATE if speculated else AR
-        started, arm_before = self.step_ended.get(sid, (None, None))
+        started, arm_before, epoch_before = self.step_ended.get(sid, (None, None, 0))
         if started is not None:
-            self.step_ended[sid] = (t2, arm_now)
-            if arm_before in (None, arm_now):  # a session's first step in another arm is a switch, not a sample
+            epoch, running = engine.prefill_state()
+            self.step_ended[sid] = (t2, arm_now, epoch)
+            # a session's first step in another arm is a switch, not a sample; a step that waited for another
+            # session's prompt measures the prompt, not the arm (both arms wait for them alike)
+            if arm_before in (None, arm_now) and epoch == epoch_before and not running:
                 self.chooser.observe(arm_now, load, len(out.path), t2 - started, len(out.path) - 1, len(tree.tokens),
                                      report.draft_seconds)
         if drafting is not None:
