@@ -178,6 +178,8 @@ class ModeChooser:
         if ar is not None and spec is not None:  # other sessions' steps measured both already
             b.arm = b.best = AR if ar >= spec else SPECULATE
             b.reason = f"measured {spec / ar:.2f}x AR speculating"
+            if abs(spec / ar - 1.0) > self.clear:  # a clear loser: probed as rarely as after a probe lost by far
+                b.interval = min(4 * self.min_interval, self.max_interval)
         elif fewer:
             b.arm = b.best = AR
             b.reason = f"AR measured better at {max(fewer)} sessions"

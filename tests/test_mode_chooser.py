@@ -133,3 +133,14 @@ def test_the_load_ignores_the_dip_between_one_request_and_the_next():
     assert chooser.load(4, now=10.3) == 4
     assert chooser.load(2, now=11.0) == 4
     assert chooser.load(2, now=11.4) == 2  # the tail of a run: the load fell for longer than a second
+
+
+def test_a_clear_loser_measured_by_other_sessions_is_probed_rarely():
+    chooser = ModeChooser()
+    for _ in range(50):
+        chooser.observe(AR, 8, 1, 0.05)
+        chooser.observe(SPECULATE, 8, 1, 0.10)  # half AR's goodput
+        chooser.observe(AR, 2, 1, 0.05)
+        chooser.observe(SPECULATE, 2, 1, 0.055)  # about as fast: probed at the usual interval
+    assert chooser.choose(8) == AR and chooser.buckets[8].interval == 4 * chooser.min_interval
+    assert chooser.choose(2) == AR and chooser.buckets[2].interval == chooser.min_interval
