@@ -126,7 +126,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               cost_profile: bool = True, connect_timeout: float = 15.0, link_delay_ms: float = 0.0,
-              baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (),
+              baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (), repeat: int = 1,
               log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
@@ -134,7 +134,9 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
     and stopped at the end. `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client ->
     target and, for a target started here, target -> drafter. `baselines` ("llama-cpp")
-    run after the modes, with the services stopped, as child processes of this one.
+    run after the modes, with the services stopped, as child processes of this one. At concurrency > 1 the modes
+    run one after the other, `repeat` times in turn (a drift of the machine's speed then hits every mode alike); a
+    mode's figures sum its repeats.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     _check_args(prompts, modes, max_new_tokens, concurrency)
@@ -174,7 +176,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         info = client.model_info()
         config = {
             "prompts_file": prompts_file, "num_prompts": len(prompts), "modes": list(modes),
-            "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "proposal": proposal,
+            "max_new_tokens": max_new_tokens, "concurrency": list(concurrency), "repeat": repeat, "proposal": proposal,
             "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
@@ -198,12 +200,18 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         for c in concurrency:
             if c == 1:  # one prompt in every mode, then the next: a drift of the machine's speed hits all modes
                 entries = _run_interleaved(client, prompts, modes, max_new_tokens, log, ignore_eos)
+            else:
+                runs: dict[str, list[GenerationResult]] = {m: [] for m in modes}
+                walls = dict.fromkeys(modes, 0.0)
+                for r in range(repeat):
+                    for mode in modes:
+                        log(f"[bench] {mode} c={c}: {len(prompts)} prompts, run {r + 1} of {repeat}")
+                        rs, wall = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
+                        runs[mode] += rs
+                        walls[mode] += wall
+                entries = {mode: _aggregate(runs[mode], walls[mode]) for mode in modes}
             for mode in modes:
-                if c == 1:
-                    entry = entries[mode]
-                else:
-                    log(f"[bench] {mode} c={c}: {len(prompts)} prompts")
-                    entry = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
+                entry = entries[mode]
                 results[mode][str(c)] = entry
                 log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
                     f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
@@ -286,8 +294,8 @@ def _run_interleaved(client: TargetClient, prompts: list[dict], modes: list[str]
 
 
 def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tokens: int, c: int,
-               log: Callable[[str], None], ignore_eos: bool = False) -> dict:
-    """All prompts with c requests in flight; aggregates their stats."""
+               log: Callable[[str], None], ignore_eos: bool = False) -> tuple[list[GenerationResult], float]:
+    """All prompts with c requests in flight: their results and the wall time."""
     done = [0]
     lock = threading.Lock()
 
@@ -303,7 +311,7 @@ def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tok
         t0 = time.perf_counter()
         rs = list(pool.map(one, prompts))
         wall = time.perf_counter() - t0
-    return _aggregate(rs, wall)
+    return rs, wall
 
 
 def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
@@ -363,7 +371,9 @@ def _lossless(results: dict[str, dict[str, dict]], concurrency: list[int]) -> di
         return {}
     ar = results["ar"]
     first = ar[str(concurrency[0])]["outputs"]
-    lossless = {"ar": all(ar[str(c)]["outputs"] == first for c in concurrency)}
+    # with --repeat an entry holds its prompts' outputs once per repeat
+    lossless = {"ar": all(ar[str(c)]["outputs"] == first * (len(ar[str(c)]["outputs"]) // len(first))
+                          for c in concurrency)}
     for mode, by_c in results.items():
         if mode != "ar":
             lossless[mode] = all(by_c[str(c)]["outputs"] == ar[str(c)]["outputs"] for c in concurrency)

