@@ -98,7 +98,6 @@ class ModeChooser:
         self._loads: deque[tuple[float, int]] = deque()  # (time, sessions live) over the last load_memory_s
         self.buckets: dict[int, Bucket] = {}
         self.spending = Spending()
-        self.windows = {AR: 0, SPECULATE: 0}  # windows run per arm (for /metrics)
         self.lock = threading.Lock()
 
     def load(self, live: int, now: float) -> int:
@@ -196,7 +195,6 @@ class ModeChooser:
 
     def _next_window(self, b: Bucket, load: int) -> None:
         assert b.arm is not None
-        self.windows[b.arm] += 1
         b.window_left = self.window_tokens(load)
         rates = {arm: r.per_second for arm, r in b.rates.items()}
         other = SPECULATE if b.arm == AR else AR

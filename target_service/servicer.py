@@ -314,7 +314,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             sid = engine.open_session([], None, m.protocol_version, m.max_length, owner)
         if info is not None:
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
-            self._cost_tables(engine)
+            self._cost_tables(engine)  # builds the tables the chooser prices with, once
             self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
                                                        self.rounds.generation)
         return target_pb2.SessionOpened(
