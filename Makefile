@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m dspark_grpc.protos.generate --check
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
