@@ -199,11 +199,8 @@ class DraftEngine:
                features: torch.Tensor | None) -> int:
         """Rows [start, start + n). Rows already held must be identical (idempotent); a gap is refused."""
         s = self.sessions.get(session_id)
-        with s.lock:
-            if self._passes is None:
-                return self._append(s, start, tokens, layer_ids, features)
-            # the features' conversion and the new rows' fc + K/V run on the drafter's worker (runtime/batching.py)
-            return self._passes.call(lambda: self._append(s, start, tokens, layer_ids, features))
+        with s.lock:  # the rows' fc + K/V wait for the session's next drafter pass (runtime/drafter.py)
+            return self._append(s, start, tokens, layer_ids, features)
 
     def _append(self, s: DraftSession, start: int, tokens: list[int], layer_ids: list[int],
                 features: torch.Tensor | None) -> int:
@@ -228,7 +225,7 @@ class DraftEngine:
                                      "truncate the context first")
         if overlap < n:
             if s.context is not None:
-                s.context.append(features[overlap:].to(self.drafter.dtype), start + overlap)
+                s.context.append(features[overlap:], start + overlap)
             s.index.extend(tokens[overlap:])
         return s.length
 

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from .drafter_config import DrafterConfig
-from .kv_cache import KVCache
+from .kv_cache import CacheFullError, KVCache
 from .linear import Linear, pack_linears
 from .markov import ConfidenceHead, MarkovHead
 from .rope import rope_cos_sin, rope_inv_freq
-from .transformer import Block, RMSNorm, Segment
+from .transformer import Block, Embedding, RMSNorm, Segment
 
 MARKOV_BIAS_CACHE = 1024  # previous tokens whose Markov bias a packed drafter keeps (32 MB at 8192 draft tokens)
 
@@ -69,7 +69,7 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(Block(layer_config) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)  # a frozen copy of the target's
+        self.embed = Embedding(c.vocab_size, c.hidden_size)  # a frozen copy of the target's
         self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         d2t = torch.zeros(c.draft_vocab_size, dtype=torch.long) if c.draft_vocab_size < c.vocab_size else None
         self.register_buffer("d2t", d2t)  # target id = draft id + d2t[draft id]
@@ -105,18 +105,21 @@ class Drafter(nn.Module):
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions.to(self.device), self.inv_freq.to(self.device), self.attention_scaling, dtype)
 
-    def context_kv(self, features: Tensor, start: int) -> list[tuple[Tensor, Tensor]]:
-        """Per layer (K, V) [num_kv_heads, n, head_dim] of context rows start..start+n-1.
-
-        features: [n, m, target_hidden] or [n, m * target_hidden], the target's hidden states at target_layer_ids.
-        """
+    def context_rows(self, features: Tensor) -> Tensor:
+        """The target's features [n, m, target_hidden] or [n, m * target_hidden] at target_layer_ids, as the
+        [n, m * target_hidden] rows `context_kv` takes (in the drafter's dtype, on its device)."""
         n, m, width = features.shape[0], len(self.config.target_layer_ids), self.config.target_hidden_size
         if features.shape[1:] not in ((m, width), (m * width,)):
             expected = f"[n, {m}, {width}] or [n, {m * width}]"
             raise ValueError(f"context features {tuple(features.shape)}: expected {expected}")
-        x = features.reshape(n, -1).to(device=self.device, dtype=self.dtype)
-        x = self.hidden_norm(self.fc(x))
-        cos, sin = self.rope(torch.arange(start, start + n), x.dtype)
+        return features.reshape(n, -1).to(device=self.device, dtype=self.dtype)
+
+    def context_kv(self, rows: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (K, V) [num_kv_heads, n, head_dim] of context rows [n, m * target_hidden] (`context_rows`) at
+        `positions` [n]. Every step is per row, so rows of several sessions project in one call."""
+        assert rows.dim() == 2 and positions.shape == (rows.shape[0],), (rows.shape, positions.shape)
+        x = self.hidden_norm(self.fc(rows))
+        cos, sin = self.rope(positions, x.dtype)
         return [layer.attention.project_kv(x, cos, sin) for layer in self.layers]
 
     @torch.no_grad()
@@ -135,6 +138,7 @@ class Drafter(nn.Module):
         if bad:
             raise ValueError(f"anchor token {bad[0]} outside the vocabulary [0, {c.vocab_size})")
         B, S = c.block_size, len(items)
+        project_waiting([ctx for ctx, _ in items])
         tokens = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
         tokens[:, 0] = torch.tensor([a for _, a in items], device=self.device)
         starts = [ctx.length for ctx, _ in items]
@@ -166,7 +170,10 @@ class Drafter(nn.Module):
 
 
 class DraftContext:
-    """One session's context K/V for every draft layer: rows 0..length-1, RoPE at their absolute positions."""
+    """One session's context K/V for every draft layer: rows 0..length-1, RoPE at their absolute positions.
+
+    Appended rows wait, unprojected, until the next drafter pass (or `layer_kv`) projects them: a pass projects the
+    waiting rows of all its sessions at once, however many appends brought them."""
 
     def __init__(self, drafter: Drafter, max_length: int | None = None, initial_capacity: int = 256) -> None:
         c = drafter.config
@@ -174,28 +181,64 @@ class DraftContext:
         max_length = c.max_position_embeddings if max_length is None else max_length
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_length, drafter.dtype, drafter.device,
                              initial_capacity)
+        self.waiting: list[Tensor] = []  # appended rows not projected yet ([n, m * target_hidden] each)
 
     @property
     def length(self) -> int:
-        return self.cache.length
+        return self.cache.length + sum(rows.shape[0] for rows in self.waiting)
 
-    @torch.no_grad()
     def append(self, features: Tensor, start: int) -> None:
         """Context rows start..start+n-1 from the target's features [n, m, target_hidden] (or [n, m*target_hidden])."""
         if start != self.length:
             raise ValueError(f"append at {start}, but the context holds {self.length} rows")
-        n = features.shape[0]
-        if n == 0:
+        rows = self.drafter.context_rows(features)
+        if rows.shape[0] == 0:
             return
-        self.cache.begin(n)
-        for i, (k, v) in enumerate(self.drafter.context_kv(features, start)):
-            self.cache.layer(i).update(k.to(self.cache.dtype), v.to(self.cache.dtype))
-        self.cache.commit(range(n))
+        if self.length + rows.shape[0] > self.cache.max_length:
+            raise CacheFullError(f"the context would reach {self.length + rows.shape[0]} rows, over its max_length "
+                                 f"{self.cache.max_length}")
+        self.waiting.append(rows)
 
     def truncate(self, length: int) -> None:
-        self.cache.rollback(length)
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate to {length} outside [0, {self.length}]")
+        if length <= self.cache.length:
+            self.cache.rollback(length)
+            self.waiting = []
+            return
+        keep, kept = length - self.cache.length, []
+        for rows in self.waiting:
+            if keep > 0:
+                kept.append(rows[:keep])
+            keep -= rows.shape[0]
+        self.waiting = kept
 
     def layer_kv(self, index: int) -> tuple[Tensor, Tensor]:
         """Layer `index`'s context K, V [num_kv_heads, length, head_dim] (views)."""
+        project_waiting([self])
         n = self.length
         return self.cache.k[index][:, :n], self.cache.v[index][:, :n]
+
+
+@torch.no_grad()
+def project_waiting(contexts: Sequence[DraftContext]) -> None:
+    """The waiting rows of `contexts` (of one drafter) into their K/V caches, in one `context_kv` call."""
+    todo = [ctx for ctx in contexts if ctx.waiting]
+    if not todo:
+        return
+    drafter = todo[0].drafter
+    assert all(ctx.drafter is drafter for ctx in todo)
+    rows = [torch.cat(ctx.waiting) if len(ctx.waiting) > 1 else ctx.waiting[0] for ctx in todo]
+    positions = torch.cat([torch.arange(ctx.cache.length, ctx.cache.length + r.shape[0])
+                           for ctx, r in zip(todo, rows, strict=True)])
+    kv = drafter.context_kv(torch.cat(rows) if len(rows) > 1 else rows[0], positions)
+    offset = 0
+    for ctx, r in zip(todo, rows, strict=True):
+        n = r.shape[0]
+        ctx.cache.begin(n)
+        for i, (k, v) in enumerate(kv):
+            ctx.cache.layer(i).update(k[:, offset: offset + n].to(ctx.cache.dtype),
+                                      v[:, offset: offset + n].to(ctx.cache.dtype))
+        ctx.cache.commit(range(n))
+        ctx.waiting = []
+        offset += n

@@ -18,6 +18,8 @@ import gguf
 import numpy as np
 import torch
 
+from .quant import blocks_of, dequantize_blocks
+
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
 VERSIONS = (2, 3)
@@ -225,6 +227,8 @@ def read_gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
 def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
     """One tensor as float32 in torch (nn.Linear) order: the reverse of GGUF's ne order, e.g. (out, in)."""
     qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    if (blocks := blocks_of(tensor)) is not None:  # Q4_0/Q4_1 matrices, the bulk of a 4-bit file: in torch
+        return dequantize_blocks(blocks)
     try:
         array = gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError as e:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .acceptance import draft_sparse_distribution
 from .errors import FailedPrecondition, InvalidArgument
+from .transformer import Embedding
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 KERNELS = ("auto", "fused", "torch")
@@ -27,7 +28,7 @@ class MarkovHead(nn.Module):
         if kind not in MARKOV_KINDS:
             raise ValueError(f"markov head kind must be one of {MARKOV_KINDS}, got {kind!r}")
         self.kind, self.rank, self.hidden_size = kind, rank, hidden_size
-        self.w1 = nn.Embedding(target_vocab, rank)
+        self.w1 = Embedding(target_vocab, rank)
         self.w2 = nn.Linear(rank, draft_vocab, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gguf
 import torch
 
-from .gguf_reader import GGUFTensor
+if TYPE_CHECKING:
+    from .gguf_reader import GGUFTensor
 
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
@@ -68,10 +70,17 @@ def int4_codes(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def dequantize_blocks(blocks: QuantBlocks) -> torch.Tensor:
-    """float32 [out, in], exactly as the gguf package dequantizes them (for tests and fallbacks)."""
-    codes, scale, zero = int4_codes(blocks)
+    """float32 [out, in], bit for bit as the gguf package dequantizes them: d * q + m (Q4_1), d * (q - 8) (Q4_0),
+    the same float32 operations in the same order."""
     out, inp = blocks.shape
-    w = (codes.float() - 8).view(out, -1, GROUP) * scale[..., None] + zero[..., None]
+    b = blocks.data.view(out, inp // GROUP, -1)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    qs = b[..., 4:] if blocks.qtype == Q.Q4_1 else b[..., 2:]
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)
+    if blocks.qtype == Q.Q4_1:
+        w = d * codes.float() + b[..., 2:4].contiguous().view(torch.float16).float()
+    else:
+        w = d * (codes.to(torch.int8) - 8).float()
     return w.view(out, inp)
 
 

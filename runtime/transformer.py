@@ -72,6 +72,12 @@ class ForwardOutput:
     captures: torch.Tensor | None  # [T, len(capture_layers), hidden] in the model dtype
 
 
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # on meta, normal_ would load torch's Python reference ops: seconds at start-up
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -213,7 +219,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = (

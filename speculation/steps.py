@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
 from dspark_grpc.speculation.round_planner import predicted_accepted
-from dspark_grpc.speculation.tensors import first_rows, float32_values
+from dspark_grpc.speculation.tensors import concat_rows, first_rows, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
 
 
@@ -114,7 +114,7 @@ class SessionDrafting:
             # rejection sampling to stay exact, and fresh at every step: a per-position seed.
             sampling = common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                                  top_k=sampling.top_k, seed=draft_seed(sampling.seed, position))
-        ops, self.queued = self.queued, []
+        ops, self.queued = joined_appends(self.queued), []
         self.opened = True
         ops.append(draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(
             session_id=self.session_id, anchor_token=anchor, anchor_position=position,
@@ -163,6 +163,52 @@ class SessionDrafting:
         if not self.opened:
             return None
         return draft_pb2.DraftSessionRequest(release=draft_pb2.ReleaseDraft(session_id=self.session_id))
+
+
+def joined_appends(ops: list[draft_pb2.DraftSessionRequest]) -> list[draft_pb2.DraftSessionRequest]:
+    """Runs of appends whose rows follow on from each other, joined into one append each: the drafter projects a
+    session's rows in one pass however many steps committed them (after a stretch of AR steps, many)."""
+    out: list[draft_pb2.DraftSessionRequest] = []
+    run: list[draft_pb2.AppendContext] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(draft_pb2.DraftSessionRequest(append=run[0]))
+        elif run:
+            joined = draft_pb2.AppendContext(session_id=run[0].session_id, start_position=run[0].start_position,
+                                             tokens=[t for a in run for t in a.tokens])
+            if run[0].HasField("capture"):
+                joined.capture.layer_ids.extend(run[0].capture.layer_ids)
+                joined.capture.start_position = run[0].capture.start_position
+                joined.capture.rows.CopyFrom(concat_rows([a.capture.rows for a in run]))
+            out.append(draft_pb2.DraftSessionRequest(append=joined))
+        run.clear()
+
+    for op in ops:
+        a = op.append if op.WhichOneof("op") == "append" else None
+        if a is not None and run and _follows(run[-1], a):
+            run.append(a)
+            continue
+        flush()
+        if a is not None:
+            run.append(a)
+        else:
+            out.append(op)
+    flush()
+    return out
+
+
+def _follows(last: draft_pb2.AppendContext, a: draft_pb2.AppendContext) -> bool:
+    if a.session_id != last.session_id or a.start_position != last.start_position + len(last.tokens):
+        return False
+    if last.HasField("capture") != a.HasField("capture"):
+        return False
+    if not a.HasField("capture"):
+        return True
+    x, y = last.capture, a.capture
+    return list(x.layer_ids) == list(y.layer_ids) and x.rows.dtype == y.rows.dtype and \
+        list(x.rows.shape[1:]) == list(y.rows.shape[1:]) and x.rows.shape[0] == len(last.tokens) and \
+        y.rows.shape[0] == len(a.tokens)
 
 
 def draft_seed(seed: int, position: int) -> int:

@@ -46,3 +46,11 @@ def first_rows(msg: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
     assert msg.shape and 0 <= rows <= msg.shape[0], (list(msg.shape), rows)
     row_bytes = len(msg.data) // msg.shape[0] if msg.shape[0] else 0
     return common_pb2.Tensor(dtype=msg.dtype, shape=[rows, *msg.shape[1:]], data=msg.data[: rows * row_bytes])
+
+
+def concat_rows(msgs: list[common_pb2.Tensor]) -> common_pb2.Tensor:
+    """Tensor messages of one dtype and row shape, joined along the first dimension."""
+    first = msgs[0]
+    assert all(m.dtype == first.dtype and list(m.shape[1:]) == list(first.shape[1:]) for m in msgs)
+    return common_pb2.Tensor(dtype=first.dtype, shape=[sum(m.shape[0] for m in msgs), *first.shape[1:]],
+                             data=b"".join(m.data for m in msgs))

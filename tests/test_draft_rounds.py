@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.mode_chooser import ModeChooser
 from dspark_grpc.speculation.steps import SessionDrafting
@@ -122,3 +124,22 @@ def test_a_failed_round_fails_its_sessions_and_the_next_round_opens_a_new_stream
     (ok,) = run_round(rounds, [drafting("b")])
     assert ok.replies is not None and len(link.streams) == 2
     rounds.close()
+
+
+def test_the_rows_of_consecutive_steps_reach_the_drafter_as_one_append():
+    """After a stretch of AR steps the drafter projects the rows they committed in one pass: one append per run of
+    contiguous rows, whose capture is the steps' captures stacked (compared through torch, not the wire helper)."""
+    s = drafting("a")
+    steps = [(0, [4, 5, 6]), (3, [7]), (4, [8, 9])]
+    parts = [torch.randn(len(tokens), 2, 8).to(torch.bfloat16) for _, tokens in steps]
+    for (start, tokens), rows in zip(steps, parts, strict=True):
+        s.append(start, tokens, common_pb2.HiddenCapture(layer_ids=[1, 3], start_position=start, rows=to_proto(rows)))
+    s.rollback(5)
+    s.append(5, [10], common_pb2.HiddenCapture(layer_ids=[1, 3], start_position=5, rows=to_proto(parts[1])))
+    ops = s.round_ops(anchor=11, position=6, proposer=1)
+    assert [op.WhichOneof("op") for op in ops] == ["open", "append", "truncate", "append", "propose"]
+    joined = ops[1].append
+    assert (joined.start_position, list(joined.tokens)) == (0, [4, 5, 6, 7, 8, 9])
+    assert list(joined.capture.layer_ids) == [1, 3] and joined.capture.start_position == 0
+    assert torch.equal(from_proto(joined.capture.rows, "rows"), torch.cat(parts))
+    assert (ops[3].append.start_position, list(ops[3].append.tokens)) == (5, [10])

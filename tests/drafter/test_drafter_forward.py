@@ -188,11 +188,17 @@ def test_context_append_in_pieces_equals_at_once():
     assert_same_output(drafter.forward_block(whole, 11), drafter.forward_block(pieces, 11), atol=1e-5)
 
 
-def test_truncate_then_reappend_equals_never_appending_the_dropped_rows():
+@pytest.mark.parametrize("projected", [True, False], ids=["projected", "waiting"])
+def test_truncate_then_reappend_equals_never_appending_the_dropped_rows(projected):
+    """Truncating rows whose K/V a pass already projected, or rows still waiting for one."""
     drafter = init_random_drafter(TARGET, num_layers=2, target_layer_ids=(3,), seed=4)
     old, new = random_features(drafter.config, 10, seed=1), random_features(drafter.config, 12, seed=2)
     rewound = drafter.new_context()
-    rewound.append(old, 0)
+    rewound.append(old[:4], 0)
+    rewound.append(old[4:], 4)
+    if projected:
+        rewound.layer_kv(0)
+    assert bool(rewound.waiting) != projected
     rewound.truncate(6)
     assert rewound.length == 6
     rewound.append(new[6:], 6)
@@ -205,6 +211,30 @@ def test_truncate_then_reappend_equals_never_appending_the_dropped_rows():
             torch.testing.assert_close(x[:, :6], y[:, :6], rtol=0, atol=1e-6)  # fc over 10 rows vs 6
             torch.testing.assert_close(x[:, 6:], y[:, 6:], rtol=0, atol=0)
     assert_same_output(drafter.forward_block(rewound, 5), drafter.forward_block(fresh, 5), atol=1e-5)
+
+
+def test_one_pass_projects_the_waiting_rows_of_every_session_as_each_alone():
+    """forward_blocks projects the rows its sessions' appends left waiting in one call; each session's K/V is what
+    projecting it alone gives (the same per-row math, up to a matmul over more rows)."""
+    drafter = init_random_drafter(TARGET, num_layers=2, target_layer_ids=(1, 4), seed=3)
+    lengths = [(5, 3), (1, 7), (9, 1)]  # per session: rows appended in two pieces
+    together, alone = [], []
+    for seed, (a, b) in enumerate(lengths):
+        features = random_features(drafter.config, a + b, seed=seed)
+        ctx, ref = drafter.new_context(), drafter.new_context()
+        for c in (ctx, ref):
+            c.append(features[:a], 0)
+            c.append(features[a:], a)
+        together.append(ctx)
+        alone.append(ref)
+    outs = drafter.forward_blocks([(ctx, 7) for ctx in together])
+    assert not any(ctx.waiting for ctx in together)
+    for ctx, ref, out, (a, b) in zip(together, alone, outs, lengths, strict=True):
+        assert ctx.length == ref.length == a + b
+        for i in range(2):
+            for x, y in zip(ctx.layer_kv(i), ref.layer_kv(i), strict=True):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+        assert_same_output(out, drafter.forward_block(ref, 7), atol=1e-5)
 
 
 def test_context_errors():

@@ -126,36 +126,36 @@ def test_concurrent_sessions_share_a_pass_and_propose_what_each_proposes_alone()
     engine.close()
 
 
-def test_appends_run_on_the_drafter_worker_after_the_pass_in_flight():
-    """Appends (fc + K/V of the new rows) run on the drafter's one worker thread between passes (a second thread
-    running torch would slow every pass; runtime/batching.py): an append of session a waits for a's proposal, and
-    one of session b waits for that pass too; the proposal drafts from the rows it was asked about."""
+def test_appended_rows_wait_for_the_next_pass_which_projects_every_session_at_once():
+    """An append only queues its rows (no torch work in the caller's thread, beside the drafter's worker); the next
+    pass projects the waiting rows of all its sessions in one context_kv call, and drafts from them what a session
+    whose rows were projected on their own drafts."""
     engine = tiny_engine()
-    a, b = open_with_context(engine, 6, 1), open_with_context(engine, 9, 2)
-    expected = propose(engine, a, 3, 6, {"proposer": "dspark"})
-    layers, more = list(engine.config.target_layer_ids), random_features(engine.config, 3, seed=7)
-    release = threading.Event()
-    gate = Gate(engine, waiting=0, release=release)
-    proposing = threading.Thread(target=lambda: gate.log.append(("result", propose(engine, a, 3, 6,
-                                                                                   {"proposer": "dspark"}))))
-    proposing.start()
-    while not engine._passes._queue and gate.first:  # until the proposal is in (or waiting at) the gate
-        time.sleep(0.005)
-    appending = [threading.Thread(target=lambda sid=sid, start=start: gate.log.append(
-        ("appended", engine.append(sid, start, [1, 2, 3], layers, more)))) for sid, start in ((b, 9), (a, 6))]
-    for t in appending:
-        t.start()
-    for t in appending:
-        t.join(timeout=0.3)  # a chance to run; both wait for the pass in flight
-    assert all(t.is_alive() for t in appending)
-    release.set()
-    for t in (proposing, *appending):
-        t.join()
-    kinds = [entry[0] for entry in gate.log]
-    assert kinds.index("pass") < kinds.index("appended"), gate.log
-    result = next(entry[1] for entry in gate.log if entry[0] == "result")
-    assert result.tokens == expected.tokens  # drafted from the 6 rows it was asked about
-    assert ("appended", 12) in gate.log and ("appended", 9) in gate.log
+    sids = [open_with_context(engine, n, seed) for seed, n in enumerate((6, 9))]
+    ref = [open_with_context(engine, n, seed) for seed, n in enumerate((6, 9))]
+    layers = list(engine.config.target_layer_ids)
+    more = [random_features(engine.config, k, seed=7 + k) for k in (3, 2)]
+    for group in (sids, ref):
+        for sid, n, rows in zip(group, (6, 9), more, strict=True):
+            assert engine.append(sid, n, list(range(10, 10 + rows.shape[0])), layers, rows) == n + rows.shape[0]
+    projected, real = [], engine.drafter.context_kv
+
+    def spy(rows, positions):
+        projected.append(positions.tolist())
+        return real(rows, positions)
+
+    engine.drafter.context_kv = spy
+    assert projected == []  # the appends projected nothing
+    alone = [propose(engine, sid, 3, n, {"proposer": "dspark"}) for sid, n in zip(ref, (9, 11), strict=True)]
+    assert projected == [list(range(9)), list(range(11))]  # one call per pass: its one session's 6 + 3, 9 + 2 rows
+    projected.clear()
+    engine.expect_proposals(sids, within_s=120)  # as a DraftRound does: their pass waits for both
+    together = run_threads([lambda sid=sid, n=n: propose(engine, sid, 3, n, {"proposer": "dspark"})
+                            for sid, n in zip(sids, (9, 11), strict=True)])
+    assert [r.batch_sessions for r in together] == [2, 2]
+    assert len(projected) == 1 and sorted(projected[0]) == sorted([*range(9), *range(11)])  # in either order
+    for a, b in zip(alone, together, strict=True):
+        assert b.tokens == a.tokens
     engine.close()
 
 
