@@ -95,6 +95,10 @@ def test_reader_matches_gguf_on_default_model(smollm2_path):
     print(f"open + metadata of {smollm2_path.name}: ours {t1 - t0:.3f} s, gguf.GGUFReader {t2 - t1:.3f} s")
     assert_reads_like_gguf(ours, ref)
     assert len(read_gguf_metadata(ours)["tokenizer.ggml.tokens"]) == 49152
+    for tensor in ours.tensors[::25]:  # the real file's blocks (Q4_1, Q8_0, F32) decode as the gguf package's do
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(dequantize_tensor(tensor).numpy(), reference.reshape(reference.shape))
+    assert {Q(t.tensor_type) for t in ours.tensors[::25]} >= {Q.Q4_1, Q.F32}
 
 
 _SCALARS = {
