@@ -230,7 +230,7 @@ LOSSLESS_PROMPTS = [[{"role": "user", "content": q}] for q in
 def ar_outputs(target_address) -> list:
     """AR's result for each of LOSSLESS_PROMPTS (computed once for every speculative variant)."""
     with TargetClient(target_address) as client:
-        return [client.generate(messages=m, max_new_tokens=32, mode="ar") for m in LOSSLESS_PROMPTS]
+        return [client.generate(messages=m, max_new_tokens=24, mode="ar") for m in LOSSLESS_PROMPTS]
 
 
 @pytest.mark.parametrize("proposal,proposer,kernel", [
@@ -243,7 +243,7 @@ def test_speculation_is_lossless(spec_target_address, ar_outputs, proposal, prop
     prompts = 1 if kernel == "fused" else len(LOSSLESS_PROMPTS)
     with TargetClient(spec_target_address) as client:
         for messages, ar in zip(LOSSLESS_PROMPTS[:prompts], ar_outputs[:prompts], strict=True):
-            spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposal=proposal,
+            spec = client.generate(messages=messages, max_new_tokens=24, mode="speculation", proposal=proposal,
                                    proposer=proposer, kernel=kernel)
             assert spec.token_ids == ar.token_ids and spec.text == ar.text
             assert spec.stats.fallback_reason == ""

@@ -36,9 +36,9 @@ def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(embedded_st
     with TargetClient(target) as client:
         dspark_accepted, per_step = 0, {}
         for messages in PROMPTS:
-            ar = client.generate(messages=messages, max_new_tokens=48, mode="ar")
+            ar = client.generate(messages=messages, max_new_tokens=32, mode="ar")
             for proposer, proposal in (("dspark", "chain"), ("ngram", "tree"), ("hybrid", "tree")):
-                spec = client.generate(messages=messages, max_new_tokens=48, mode="speculation", proposer=proposer,
+                spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposer=proposer,
                                        proposal=proposal)
                 assert spec.token_ids == ar.token_ids, (proposer, proposal)
                 assert spec.stats.fallback_reason == "", spec.stats.fallback_reason
