@@ -138,7 +138,8 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             yield delta
 
             t_step = time.perf_counter()
-            stepped = call(step=target_pb2.Step(session_id=sid)).stepped
+            left = config.max_new_tokens - stats.generated_tokens
+            stepped = call(step=target_pb2.Step(session_id=sid, tokens_left=left)).stepped
             _add_step(stats, stepped.report, len(stepped.tokens) - 1, time.perf_counter() - t_step, drafted,
                       accepted, reasons, sums)
             length = stepped.length

@@ -233,7 +233,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return dict(prefilled=target_pb2.Prefilled(
                 prompt_tokens=out.prompt_tokens, next_token=out.next_token, text=out.text, capture=capture))
         if op == "step":
-            return dict(stepped=self._step(engine, request.step.session_id))
+            if request.step.tokens_left < 0:
+                raise InvalidArgument(f"step.tokens_left must be >= 0 (0 = no bound), got {request.step.tokens_left}")
+            return dict(stepped=self._step(engine, request.step.session_id, request.step.tokens_left))
         if op in ("verify", "commit") and getattr(request, op).session_id in self.drafting:
             raise FailedPrecondition(f"this session steps with the target's drafter (OpenSession.step_options): "
                                      f"send Step, not {op}; open a session without step_options to verify trees of "
@@ -322,10 +324,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
             step_mode=mode if info is not None else common_pb2.DECODE_MODE_AR, fallback_reason=why)
 
-    def _step(self, engine: TargetEngine, sid: str) -> target_pb2.Stepped:
+    def _step(self, engine: TargetEngine, sid: str, tokens_left: int = 0) -> target_pb2.Stepped:
         """One step: the drafter's proposal from a round (unless AR), one verify, the commit; the committed rows'
-        captures are queued for the drafter's next round."""
+        captures are queued for the drafter's next round. `tokens_left` (0: no bound) bounds the tokens this step
+        and the ones after it can emit."""
         pending, length, max_length = engine.step_state(sid)
+        room = max_length - length if not tokens_left else min(max_length - length, tokens_left)
         drafting = self.drafting.get(sid)
         report = target_pb2.StepReport()
         failed_before = drafting is not None and not drafting.active
@@ -353,7 +357,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 reply_depth = reply.depth
                 report.draft_seconds = time.perf_counter() - t0
                 if proposal is not None:
-                    fitted = drafting.fit(proposal, max_length - length, reply.depth)
+                    fitted = drafting.fit(proposal, room, reply.depth)
                     try:
                         _check_tree_tensors(fitted.tree)
                     except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
@@ -394,7 +398,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)
-            if self.draft_ahead and drafting.active and committed.length + 1 < max_length:
+            more = committed.length + 1 < max_length and (not tokens_left or len(out.path) < tokens_left)
+            if self.draft_ahead and drafting.active and more:
                 drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []
             if switches := drafting.new_switches():

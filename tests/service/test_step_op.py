@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
@@ -53,3 +55,27 @@ def test_a_rollback_keeps_the_session_drafting_and_replays_the_same_tokens(sessi
     with TargetClient(spec_target_address) as client:  # and the tokens are AR's
         ar = client.generate(PROMPT.text, max_new_tokens=len(tokens), mode="ar", ignore_eos=True).token_ids
     assert ar == tokens[: len(ar)]
+
+
+def draft_ahead_count(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dspark:draft_ahead_total{"))
+
+
+def test_tokens_left_bounds_the_draft_and_the_draft_ahead(session, spec_target):
+    """A step that may emit k more tokens verifies a draft of depth <= k - 1; once a step emits what the caller
+    said it will take, the target drafts nothing ahead for a step that will not come."""
+    _, metrics_url = spec_target
+    sid = session.ok(open=target_pb2.OpenSession(step_options=SPECULATION)).session_id
+    session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    assert session.ok(step=target_pb2.Step(session_id=sid)).report.draft_depth >= 2  # unbounded: the chain
+    for left in (2, 1):
+        report = session.ok(step=target_pb2.Step(session_id=sid, tokens_left=left)).report
+        assert report.draft_depth == left - 1, (left, report)
+    # the random drafter is never right: a step emits one token, so the bounded step of 1 ended the request
+    before = draft_ahead_count(metrics_url)
+    session.ok(step=target_pb2.Step(session_id=sid))
+    assert draft_ahead_count(metrics_url) == before  # that step was drafted when it came, not ahead
+    response = session.call(step=target_pb2.Step(session_id=sid, tokens_left=-1))
+    assert response.status.code == 3 and "tokens_left" in response.status.message

@@ -241,10 +241,12 @@ class RolledBack(_message.Message):
     def __init__(self, length: _Optional[int] = ..., pending_token: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "tokens_left")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    tokens_left: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens_left: _Optional[int] = ...) -> None: ...
 
 class Stepped(_message.Message):
     __slots__ = ("tokens", "next_token", "token_texts", "length", "report")
