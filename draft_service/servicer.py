@@ -104,8 +104,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,
                                  kernel=KERNEL_NAMES.get(m.kernel, ""), temperature=m.sampling.temperature,
                                  generator=generator, proposer=PROPOSER_NAMES[m.proposer])
-            tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents,
-                                            node_logprobs=to_proto(torch.tensor(out.logprobs, dtype=torch.float32)))
+            tree_msg = common_pb2.TokenTree(tokens=out.tokens, parents=out.parents)
             if out.draft_ids is not None:  # row k-1 = the distribution node k was drawn from; the last row is unused
                 pad_ids = torch.full((1, out.draft_ids.shape[1]), -1, dtype=torch.int32)
                 pad_lps = torch.full((1, out.draft_ids.shape[1]), float("-inf"))

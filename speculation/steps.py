@@ -251,7 +251,7 @@ def cut_to_depth(tree: common_pb2.TokenTree, depth: int) -> common_pb2.TokenTree
     if depth >= len(tree.tokens) - 1:
         return tree
     cut = common_pb2.TokenTree(tokens=tree.tokens[: depth + 1], parents=tree.parents[: depth + 1])
-    for name in ("node_logprobs", "child_token_ids", "child_logprobs"):
+    for name in ("child_token_ids", "child_logprobs"):
         if tree.HasField(name):
             getattr(cut, name).CopyFrom(first_rows(getattr(tree, name), depth + 1))
     return cut

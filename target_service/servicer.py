@@ -481,12 +481,11 @@ def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None
     """Validates the optional tensors of a tree; returns the child distributions (ids, log-probs) if both are sent."""
     n = len(tree.tokens)
     tensors = {}
-    for name, dims in (("node_logprobs", 1), ("child_token_ids", 2), ("child_logprobs", 2)):
+    for name in ("child_token_ids", "child_logprobs"):
         if tree.HasField(name):
             t = tensors[name] = from_proto(getattr(tree, name), f"tree.{name}")
-            if t.dim() != dims or t.shape[0] != n:
-                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; it must be [number of nodes ({n})"
-                                      f"{', k' if dims == 2 else ''}]")
+            if t.dim() != 2 or t.shape[0] != n:
+                raise InvalidArgument(f"tree.{name} has shape {list(t.shape)}; it must be [number of nodes ({n}), k]")
     ids, lps = tensors.get("child_token_ids"), tensors.get("child_logprobs")
     if (ids is None) != (lps is None):
         raise InvalidArgument("send tree.child_token_ids and tree.child_logprobs together")

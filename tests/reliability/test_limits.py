@@ -142,8 +142,9 @@ def test_verify_refuses_malformed_tensors(channel: grpc.Channel):
     f32, i32 = common_pb2.D_TYPE_FLOAT32, common_pb2.D_TYPE_INT32
     huge_empty = common_pb2.Tensor(dtype=f32, shape=[0, 1 << 40, 1 << 40])
     trees = [
-        common_pb2.TokenTree(tokens=[pending], parents=[-1], node_logprobs=huge_empty),
-        common_pb2.TokenTree(tokens=[pending], parents=[-1], node_logprobs=common_pb2.Tensor(dtype=f32, shape=[1, 0])),
+        common_pb2.TokenTree(tokens=[pending], parents=[-1], child_logprobs=huge_empty),
+        common_pb2.TokenTree(tokens=[pending], parents=[-1],  # ids without their log-probs
+                             child_token_ids=common_pb2.Tensor(dtype=i32, shape=[1, 1], data=b"\0" * 4)),
         common_pb2.TokenTree(tokens=[pending], parents=[-1],  # a sampled child distribution with k = 0
                              child_token_ids=common_pb2.Tensor(dtype=i32, shape=[1, 0]),
                              child_logprobs=common_pb2.Tensor(dtype=f32, shape=[1, 0])),

@@ -81,10 +81,10 @@ def test_tensor_byte_length_mismatch(raw, target_address):
     sid, pending = prefilled_session(raw)
     bad = common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[2], data=b"\0" * 7)
     expect(raw, INVALID_ARGUMENT, "7 bytes but shape [2]",
-           verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 5], [-1, 0], node_logprobs=bad)))
-    wrong_rows = common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[3], data=b"\0" * 12)
+           verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 5], [-1, 0], child_logprobs=bad)))
+    wrong_rows = common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[3, 1], data=b"\0" * 12)
     expect(raw, INVALID_ARGUMENT, "number of nodes",
-           verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 5], [-1, 0], node_logprobs=wrong_rows)))
+           verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 5], [-1, 0], child_logprobs=wrong_rows)))
     assert_serving(target_address)
 
 

@@ -100,8 +100,7 @@ def test_drafting_over_grpc_equals_in_process(draft, target_rows, in_process_eng
                               proposer="dspark")
     assert list(proposal.tree.tokens) == expected.tokens and list(proposal.tree.parents) == expected.parents
     assert proposal.tree.tokens[0] == pre.next_token
-    torch.testing.assert_close(from_proto(proposal.tree.node_logprobs), torch.tensor(expected.logprobs),
-                               rtol=1e-4, atol=1e-4)
+    assert not proposal.tree.HasField("child_token_ids")  # greedy: no distributions to carry
     assert from_proto(proposal.confidences).shape == (info.block_size,)
     if tree:
         assert len(proposal.tree.tokens) == 7  # budget 6 + the root

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xad\x01\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12(\n\rnode_logprobs\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12*\n\x0f\x63hild_token_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12)\n\x0e\x63hild_logprobs\x18\x05 \x01(\x0b\x32\x11.dspark.v1.Tensor\"[\n\rHiddenCapture\x12\x11\n\tlayer_ids\x18\x01 \x03(\x05\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x1f\n\x04rows\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"/\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\":\n\tCostTable\x12\r\n\x05lanes\x18\x01 \x01(\x05\x12\r\n\x05sizes\x18\x02 \x03(\x05\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"p\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dspark.v1.ChatMessagesH\x00\x12%\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xbd\x06\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\'\n\x08mode_run\x18\x04 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x06 \x03(\x01\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x08 \x01(\x01\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\x12\x16\n\x0everify_seconds\x18\n \x01(\x01\x12\x19\n\x11transport_seconds\x18\x0b \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0c \x01(\x01\x12\x10\n\x08\x61r_steps\x18\r \x01(\x05\x12\x19\n\x11speculative_steps\x18\x0e \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x0f \x01(\t\x12\x1a\n\x12\x63ommitted_per_step\x18\x10 \x03(\x05\x12P\n\x14\x61\x63\x63\x65pted_by_proposer\x18\x11 \x03(\x0b\x32\x32.dspark.v1.GenerationStats.AcceptedByProposerEntry\x12\x1c\n\x14\x64rafted_per_position\x18\x12 \x03(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x13 \x03(\x05\x12\x18\n\x10planned_ar_steps\x18\x14 \x01(\x05\x12\x18\n\x10truncated_drafts\x18\x15 \x01(\x05\x12\x18\n\x10\x66orward_sessions\x18\x16 \x01(\x01\x12\x14\n\x0c\x66orward_rows\x18\x17 \x01(\x01\x12\x1b\n\x13\x64raft_pass_sessions\x18\x18 \x01(\x01\x12\x15\n\rsession_bytes\x18\x19 \x01(\x03\x12\x15\n\rcapture_bytes\x18\x1a \x01(\x03\x12\x14\n\x0c\x64rafts_ready\x18\x1b \x01(\x05\x1a\x39\n\x17\x41\x63\x63\x65ptedByProposerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\xa3\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x12\x10\n\x0c\x44_TYPE_INT32\x10\x04\x12\x10\n\x0c\x44_TYPE_INT64\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44_TYPE_BOOL\x10\x07*t\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ODE_MODE_AR\x10\x01\x12\x1b\n\x17\x44\x45\x43ODE_MODE_SPECULATION\x10\x02\x12\x18\n\x14\x44\x45\x43ODE_MODE_ADAPTIVE\x10\x03*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x98\x01\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12*\n\x0f\x63hild_token_ids\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12)\n\x0e\x63hild_logprobs\x18\x05 \x01(\x0b\x32\x11.dspark.v1.TensorJ\x04\x08\x03\x10\x04R\rnode_logprobs\"[\n\rHiddenCapture\x12\x11\n\tlayer_ids\x18\x01 \x03(\x05\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x1f\n\x04rows\x18\x03 \x01(\x0b\x32\x11.dspark.v1.Tensor\"/\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\":\n\tCostTable\x12\r\n\x05lanes\x18\x01 \x01(\x05\x12\r\n\x05sizes\x18\x02 \x03(\x05\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"p\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.dspark.v1.ChatMessagesH\x00\x12%\n\x06tokens\x18\x03 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x42\x06\n\x04kind\"\xbd\x06\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\'\n\x08mode_run\x18\x04 \x01(\x0e\x32\x15.dspark.v1.DecodeMode\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x06 \x03(\x01\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x08 \x01(\x01\x12\x15\n\rdraft_seconds\x18\t \x01(\x01\x12\x16\n\x0everify_seconds\x18\n \x01(\x01\x12\x19\n\x11transport_seconds\x18\x0b \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0c \x01(\x01\x12\x10\n\x08\x61r_steps\x18\r \x01(\x05\x12\x19\n\x11speculative_steps\x18\x0e \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x0f \x01(\t\x12\x1a\n\x12\x63ommitted_per_step\x18\x10 \x03(\x05\x12P\n\x14\x61\x63\x63\x65pted_by_proposer\x18\x11 \x03(\x0b\x32\x32.dspark.v1.GenerationStats.AcceptedByProposerEntry\x12\x1c\n\x14\x64rafted_per_position\x18\x12 \x03(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x13 \x03(\x05\x12\x18\n\x10planned_ar_steps\x18\x14 \x01(\x05\x12\x18\n\x10truncated_drafts\x18\x15 \x01(\x05\x12\x18\n\x10\x66orward_sessions\x18\x16 \x01(\x01\x12\x14\n\x0c\x66orward_rows\x18\x17 \x01(\x01\x12\x1b\n\x13\x64raft_pass_sessions\x18\x18 \x01(\x01\x12\x15\n\rsession_bytes\x18\x19 \x01(\x03\x12\x15\n\rcapture_bytes\x18\x1a \x01(\x03\x12\x14\n\x0c\x64rafts_ready\x18\x1b \x01(\x05\x1a\x39\n\x17\x41\x63\x63\x65ptedByProposerEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*\xa3\x01\n\x05\x44Type\x12\x16\n\x12\x44_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44_TYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44_TYPE_FLOAT16\x10\x02\x12\x13\n\x0f\x44_TYPE_BFLOAT16\x10\x03\x12\x10\n\x0c\x44_TYPE_INT32\x10\x04\x12\x10\n\x0c\x44_TYPE_INT64\x10\x05\x12\x10\n\x0c\x44_TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44_TYPE_BOOL\x10\x07*t\n\nDecodeMode\x12\x1b\n\x17\x44\x45\x43ODE_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ODE_MODE_AR\x10\x01\x12\x1b\n\x17\x44\x45\x43ODE_MODE_SPECULATION\x10\x02\x12\x18\n\x14\x44\x45\x43ODE_MODE_ADAPTIVE\x10\x03*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._loaded_options = None
   _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._serialized_options = b'8\001'
-  _globals['_PROTOCOLVERSION']._serialized_start=1700
-  _globals['_PROTOCOLVERSION']._serialized_end=1775
-  _globals['_DTYPE']._serialized_start=1778
-  _globals['_DTYPE']._serialized_end=1941
-  _globals['_DECODEMODE']._serialized_start=1943
-  _globals['_DECODEMODE']._serialized_end=2059
-  _globals['_FINISHREASON']._serialized_start=2062
-  _globals['_FINISHREASON']._serialized_end=2219
+  _globals['_PROTOCOLVERSION']._serialized_start=1679
+  _globals['_PROTOCOLVERSION']._serialized_end=1754
+  _globals['_DTYPE']._serialized_start=1757
+  _globals['_DTYPE']._serialized_end=1920
+  _globals['_DECODEMODE']._serialized_start=1922
+  _globals['_DECODEMODE']._serialized_end=2038
+  _globals['_FINISHREASON']._serialized_start=2041
+  _globals['_FINISHREASON']._serialized_end=2198
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=107
   _globals['_STATUS']._serialized_start=109
   _globals['_STATUS']._serialized_end=148
   _globals['_TOKENTREE']._serialized_start=151
-  _globals['_TOKENTREE']._serialized_end=324
-  _globals['_HIDDENCAPTURE']._serialized_start=326
-  _globals['_HIDDENCAPTURE']._serialized_end=417
-  _globals['_FINGERPRINT']._serialized_start=419
-  _globals['_FINGERPRINT']._serialized_end=466
-  _globals['_SAMPLINGPARAMS']._serialized_start=468
-  _globals['_SAMPLINGPARAMS']._serialized_end=563
-  _globals['_COSTTABLE']._serialized_start=565
-  _globals['_COSTTABLE']._serialized_end=623
-  _globals['_CHATMESSAGE']._serialized_start=625
-  _globals['_CHATMESSAGE']._serialized_end=669
-  _globals['_CHATMESSAGES']._serialized_start=671
-  _globals['_CHATMESSAGES']._serialized_end=727
-  _globals['_TOKENIDS']._serialized_start=729
-  _globals['_TOKENIDS']._serialized_end=752
-  _globals['_PROMPT']._serialized_start=754
-  _globals['_PROMPT']._serialized_end=866
-  _globals['_GENERATIONSTATS']._serialized_start=869
-  _globals['_GENERATIONSTATS']._serialized_end=1698
-  _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._serialized_start=1641
-  _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._serialized_end=1698
+  _globals['_TOKENTREE']._serialized_end=303
+  _globals['_HIDDENCAPTURE']._serialized_start=305
+  _globals['_HIDDENCAPTURE']._serialized_end=396
+  _globals['_FINGERPRINT']._serialized_start=398
+  _globals['_FINGERPRINT']._serialized_end=445
+  _globals['_SAMPLINGPARAMS']._serialized_start=447
+  _globals['_SAMPLINGPARAMS']._serialized_end=542
+  _globals['_COSTTABLE']._serialized_start=544
+  _globals['_COSTTABLE']._serialized_end=602
+  _globals['_CHATMESSAGE']._serialized_start=604
+  _globals['_CHATMESSAGE']._serialized_end=648
+  _globals['_CHATMESSAGES']._serialized_start=650
+  _globals['_CHATMESSAGES']._serialized_end=706
+  _globals['_TOKENIDS']._serialized_start=708
+  _globals['_TOKENIDS']._serialized_end=731
+  _globals['_PROMPT']._serialized_start=733
+  _globals['_PROMPT']._serialized_end=845
+  _globals['_GENERATIONSTATS']._serialized_start=848
+  _globals['_GENERATIONSTATS']._serialized_end=1677
+  _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._serialized_start=1620
+  _globals['_GENERATIONSTATS_ACCEPTEDBYPROPOSERENTRY']._serialized_end=1677
 # @@protoc_insertion_point(module_scope)

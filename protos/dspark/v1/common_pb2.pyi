@@ -76,18 +76,16 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenTree(_message.Message):
-    __slots__ = ("tokens", "parents", "node_logprobs", "child_token_ids", "child_logprobs")
+    __slots__ = ("tokens", "parents", "child_token_ids", "child_logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
-    NODE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHILD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHILD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    node_logprobs: Tensor
     child_token_ids: Tensor
     child_logprobs: Tensor
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., node_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., child_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., child_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., child_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., child_logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class HiddenCapture(_message.Message):
     __slots__ = ("layer_ids", "start_position", "rows")
