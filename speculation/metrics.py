@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dspark_grpc.protos.dspark.v1 import common_pb2
@@ -110,10 +111,7 @@ class SpecDecodeMetrics:
                                              "(the budget the planners chose).", buckets=TOKEN_BUCKETS, registry=r)
         self.draft_ahead = prom.Counter(f"{p}:draft_ahead", "Proposals drafted ahead, by whether they were ready "
                                         "when their step began.", ["outcome"], registry=r)
-        self.adaptive = prom.Gauge(f"{p}:adaptive", "The adaptive mode's view per load (sessions stepping, "
-                                   "bucketed): measured tokens/s per session by arm (ar, speculation), speculation's "
-                                   "measured and predicted speed-up over AR, and whether it speculates now (1/0).",
-                                   ["load", "value"], registry=r)
+        self.adaptive_name = f"{p}:adaptive"
         self.generation_tokens = prom.Counter(f"{p}:generation_tokens", "Generated tokens.", registry=r)
         self.prompt_tokens = prom.Counter(f"{p}:prompt_tokens", "Prompt tokens.", registry=r)
 
@@ -175,12 +173,26 @@ class SpecDecodeMetrics:
         if drafted_ahead:
             self.draft_ahead.labels(outcome="ready" if report.draft_ready else "late").inc()
 
-    def observe_adaptive(self, summary: dict[int, dict[str, float | None]]) -> None:
-        """The adaptive mode's chooser (ModeChooser.summary())."""
-        for load, values in summary.items():
-            for name, value in values.items():
-                if value is not None:
-                    self.adaptive.labels(load=str(load), value=name).set(value)
+    def watch_adaptive(self, summary: Callable[[], dict[int, dict[str, float | None]]]) -> None:
+        """Export the adaptive mode's view (ModeChooser.summary), read at each scrape."""
+        _prometheus()  # the clear error without prometheus-client
+        from prometheus_client.core import GaugeMetricFamily
+
+        name = self.adaptive_name
+        doc = ("The adaptive mode's view per load (sessions stepping, bucketed): measured tokens/s per session by "
+               "arm (ar, speculation), speculation's measured and predicted speed-up over AR, and whether it "
+               "speculates now (1/0).")
+
+        class AdaptiveView:
+            def collect(self):
+                gauge = GaugeMetricFamily(name, doc, labels=["load", "value"])
+                for load, values in summary().items():
+                    for value_name, value in values.items():
+                        if value is not None:
+                            gauge.add_metric([str(load), value_name], value)
+                yield gauge
+
+        self.registry.register(AdaptiveView())
 
     def summary(self) -> dict[str, Any]:
         """The derived numbers, vLLM's way: mean acceptance length and per-position acceptance rates."""

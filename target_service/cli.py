@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.speculation.metrics import SpecDecodeMetrics
 
         servicer.metrics = SpecDecodeMetrics()
+        servicer.metrics.watch_adaptive(servicer.chooser.summary)
         forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
         live_sessions_gauge(servicer.metrics.registry, "target",
                             lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)

@@ -407,8 +407,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.fallback_reason = "; ".join(reasons)
             if self.metrics is not None:
                 self.metrics.observe_step(report, planned is not None and planned.reply is not None)
-                if drafting.chooser is not None:
-                    self.metrics.observe_adaptive(drafting.chooser.summary())
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
 

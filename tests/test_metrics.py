@@ -145,8 +145,10 @@ def test_the_adaptive_choosers_view_is_exported_per_load():
     chooser.observe(AR, 1, 1, 0.05)
     chooser.choose(1)
     m = SpecDecodeMetrics()
-    m.observe_adaptive(chooser.summary())
+    m.watch_adaptive(chooser.summary)
     assert _value(m, "dspark:adaptive", load="1", value="speculation") == pytest.approx(50.0)
     assert _value(m, "dspark:adaptive", load="1", value="ar") == pytest.approx(20.0)
     assert _value(m, "dspark:adaptive", load="1", value="measured_speedup") == pytest.approx(2.5)
     assert _value(m, "dspark:adaptive", load="1", value="speculating") == 1.0
+    chooser.observe(AR, 2, 1, 0.04)  # read at the scrape: what the chooser saw since is there
+    assert _value(m, "dspark:adaptive", load="2", value="ar") == pytest.approx(25.0)

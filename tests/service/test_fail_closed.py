@@ -134,3 +134,5 @@ def test_generate_exports_spec_decode_metrics(spec_target):
     assert value("dspark:target_forward_seconds_count") >= stats.steps > 0
     assert value("dspark:target_forward_rows_sum") >= stats.prompt_tokens + stats.steps
     assert value("dspark:target_forward_sessions_count") == value("dspark:target_forward_seconds_count")
+    # the adaptive mode's view, read at the scrape: the steps of every mode are its samples
+    assert re.search(r'^dspark:adaptive\{load="\d+",value="speculation"\} [0-9.e+-]+$', text, flags=re.M), text
