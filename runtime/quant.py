@@ -54,34 +54,33 @@ def blocks_of(tensor: GGUFTensor) -> QuantBlocks | None:
     return QuantBlocks(qtype, data, (out, inp))
 
 
-def int4_codes(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes int32 [out, in] in 0..15, scale and zero float32 [out, in / 32] with w = (q - 8) * scale + zero."""
+def block_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """d and m (None for Q4_0) float32 [out, in / 32], and the codes uint8 [out, in / 32, 32] in 0..15."""
     out, inp = blocks.shape
     b = blocks.data.view(out, inp // GROUP, -1)
     d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
-    if blocks.qtype == Q.Q4_1:
-        m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-        zero, qs = m + 8 * d, b[..., 4:]
-    else:
-        zero, qs = torch.zeros_like(d), b[..., 2:]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if blocks.qtype == Q.Q4_1 else None
+    qs = b[..., 4:] if blocks.qtype == Q.Q4_1 else b[..., 2:]
     assert qs.shape[-1] == GROUP // 2, qs.shape
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(out, inp).to(torch.int32)
-    return codes, d, zero
+    return d, m, torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def int4_codes(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes int32 [out, in] in 0..15, scale and zero float32 [out, in / 32] with w = (q - 8) * scale + zero."""
+    d, m, codes = block_fields(blocks)
+    zero = m + 8 * d if m is not None else torch.zeros_like(d)
+    return codes.reshape(blocks.shape).to(torch.int32), d, zero
 
 
 def dequantize_blocks(blocks: QuantBlocks) -> torch.Tensor:
     """float32 [out, in], bit for bit as the gguf package dequantizes them: d * q + m (Q4_1), d * (q - 8) (Q4_0),
     the same float32 operations in the same order."""
-    out, inp = blocks.shape
-    b = blocks.data.view(out, inp // GROUP, -1)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()
-    qs = b[..., 4:] if blocks.qtype == Q.Q4_1 else b[..., 2:]
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)
-    if blocks.qtype == Q.Q4_1:
-        w = d * codes.float() + b[..., 2:4].contiguous().view(torch.float16).float()
+    d, m, codes = block_fields(blocks)
+    if m is not None:
+        w = d[..., None] * codes.float() + m[..., None]
     else:
-        w = d * (codes.to(torch.int8) - 8).float()
-    return w.view(out, inp)
+        w = d[..., None] * (codes.to(torch.int8) - 8).float()
+    return w.view(blocks.shape)
 
 
 @dataclass(frozen=True)

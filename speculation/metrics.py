@@ -65,7 +65,7 @@ class SpecDecodeMetrics:
                  registry: Any = None) -> None:
         prom = _prometheus()
         self.registry = registry if registry is not None else prom.CollectorRegistry()
-        self.max_positions, self.max_reasons = max_positions, max_reasons
+        self.prefix, self.max_positions, self.max_reasons = prefix, max_positions, max_reasons
         self._lock = threading.Lock()
         self._reasons: set[str] = set()
         # plain tallies behind the derived numbers (mean acceptance length, per-position acceptance)
@@ -111,7 +111,6 @@ class SpecDecodeMetrics:
                                              "(the budget the planners chose).", buckets=TOKEN_BUCKETS, registry=r)
         self.draft_ahead = prom.Counter(f"{p}:draft_ahead", "Proposals drafted ahead, by whether they were ready "
                                         "when their step began.", ["outcome"], registry=r)
-        self.adaptive_name = f"{p}:adaptive"
         self.generation_tokens = prom.Counter(f"{p}:generation_tokens", "Generated tokens.", registry=r)
         self.prompt_tokens = prom.Counter(f"{p}:prompt_tokens", "Prompt tokens.", registry=r)
 
@@ -178,7 +177,7 @@ class SpecDecodeMetrics:
         _prometheus()  # the clear error without prometheus-client
         from prometheus_client.core import GaugeMetricFamily
 
-        name = self.adaptive_name
+        name = f"{self.prefix}:adaptive"
         doc = ("The adaptive mode's view per load (sessions stepping, bucketed): measured tokens/s per session by "
                "arm (ar, speculation), speculation's measured and predicted speed-up over AR, and whether it "
                "speculates now (1/0).")
