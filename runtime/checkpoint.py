@@ -159,11 +159,12 @@ def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precisi
 
 
 def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dtype = torch.float32,
-                    compile: str = "off", progress: bool = False) -> Transformer:
+                    compile: str = "off", progress: bool = False, compile_cache: Path | None = None) -> Transformer:
     """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
     bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
     its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" (fast
-    precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here."""
+    precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here or
+    loaded from `compile_cache` (where a compiled step is saved for the next start)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if compile not in COMPILE_MODES:
@@ -177,7 +178,7 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     if compile != "off":
         try:
-            model.compiled = CompiledStep(model)
+            model.compiled = CompiledStep(model, compile_cache)
         except ValueError as e:
             raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)

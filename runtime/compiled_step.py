@@ -13,16 +13,28 @@ tests/runtime/test_compiled_step.py checks it for 1-row and wider steps, several
 
 Prompt chunks do not come here: the per-row gather of keys suits a few rows, not hundreds; they run eagerly
 (the same for AR and speculation). Hybrid (linear-attention) models are not compiled.
+
+The graph is compiled ahead of time (`aot_compile` of torch.compile: traced once, on a 2-row example so that no
+size is specialized to one row) and saved in a cache directory under a key of everything the trace depends on
+(torch, the CPU's instruction set, the model's config and tensor shapes, this package's model code): a restart
+loads it instead of tracing and compiling again. The weights are not in it: they are read from the model at every
+call. Guards are not checked per call (the step's inputs have one fixed structure), which also saves dynamo's
+per-call guard evaluation.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch._dynamo.config as dynamo_config
 
 from .batch_invariant import BUCKET
 from .rope import rope_cos_sin, rotate_half
@@ -32,7 +44,7 @@ if TYPE_CHECKING:
     from .transformer import ForwardOutput, SequenceInput, Transformer
 
 COMPILE_MODES = ("off", "fast")
-WARMUP_ROWS = (1, 2)  # one graph serves both (R is never specialized); the second call checks it
+WARMUP_ROWS = (2, 1)  # the graph is traced on the first (R = 1 would specialize it); the second checks R = 1
 
 
 def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -82,10 +94,39 @@ def can_compile(model: Transformer) -> str | None:
     return None
 
 
-class CompiledStep:
-    """The model's step graph and the slot store every session's cache lives in."""
+def artifact_key(model: Transformer) -> str:
+    """What a compiled step depends on besides the weights' values: a saved step with another key is not used."""
+    h = hashlib.sha256()
+    parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+             repr(model.config), str(model.dtype)]
+    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    for source in sorted(Path(__file__).parent.glob("*.py")):  # the model code the graph is traced from
+        h.update(source.read_bytes())
+    return h.hexdigest()[:20]
 
-    def __init__(self, model: Transformer) -> None:
+
+def load_step(path: Path) -> Callable | None:
+    """A step saved by `CompiledStep`, or None when the file is missing or unreadable (it is then compiled again)."""
+    try:
+        with path.open("rb") as f:
+            step = torch.compiler.load_compiled_function(f)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file costs a compile, not the start
+        print(f"[dspark] ignoring the saved step graph {path} ({type(e).__name__}: {e})", file=sys.stderr,
+              flush=True)
+        return None
+    step.disable_guard_check()
+    return step
+
+
+class CompiledStep:
+    """The model's step graph and the slot store every session's cache lives in. `cache_dir`: where compiled steps
+    are saved and looked up (None: compiled at every start)."""
+
+    def __init__(self, model: Transformer, cache_dir: Path | None = None) -> None:
         reason = can_compile(model)
         if reason is not None:
             raise ValueError(reason)
@@ -93,12 +134,25 @@ class CompiledStep:
 
         fx_config.use_duck_shape = False  # R, C, slots and capacity are unrelated sizes: no equality guards
         fx_config.backed_size_oblivious = True  # R = 1 too: one graph for AR steps and verifies
-        self.model = model
+        self.model, self.cache_dir = model, cache_dir
         self.store = SlotStore(model.config, model.dtype, model.device)
         positions = torch.arange(model.config.max_position_embeddings, device=model.device)
         self.rope = torch.stack(rope_cos_sin(positions, model.inv_freq, model.attention_scaling, model.dtype))
-        self.graph = torch.compile(step_graph, fullgraph=True, dynamic=True,
-                                   options={"emulate_precision_casts": True})
+        self.graph: Callable | None = None  # the compiled step_graph (loaded or compiled by the first call)
+        self.source = ""  # "loaded" from cache_dir or "compiled" here
+
+    def __getstate__(self) -> dict:
+        # Compiling pickles the state of the module it traced (for its guards), this attribute included: a lock and
+        # compiled code, which no guard reads.
+        return {}
+
+    @functools.cached_property
+    def path(self) -> Path | None:
+        return None if self.cache_dir is None else self.cache_dir / f"step-{artifact_key(self.model)}.bin"
+
+    @property
+    def saved(self) -> bool:
+        return self.path is not None and self.path.exists()
 
     def new_cache(self, max_length: int) -> SlotCache:
         return SlotCache(self.store, max_length)
@@ -110,12 +164,12 @@ class CompiledStep:
 
     @torch.no_grad()
     def warm_up(self, progress: bool = True) -> float:
-        """Compile the graph now (a throwaway slot), showing progress; returns the seconds it took."""
+        """Load or compile the graph now (on a throwaway slot), showing progress; returns the seconds it took."""
         t0 = time.perf_counter()
         cache = self.new_cache(max_length=BUCKET)
         from .transformer import SequenceInput
 
-        if progress:
+        if progress and not self.saved:
             print("[dspark] compiling the step graph (AR steps and verifies; minutes on 2 cores, less from torch's "
                   "inductor cache)...", file=sys.stderr, flush=True)
         for rows in WARMUP_ROWS:
@@ -125,13 +179,34 @@ class CompiledStep:
             cache.discard()
         seconds = time.perf_counter() - t0
         if progress:
-            print(f"[dspark] step graph ready ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            where = f"loaded from {self.path}" if self.source == "loaded" else (
+                f"compiled, saved to {self.path}" if self.path is not None else "compiled")
+            print(f"[dspark] step graph ready ({where}; {seconds:.1f} s)", file=sys.stderr, flush=True)
         return seconds
+
+    def _prepare(self, args: tuple) -> Callable:
+        """The saved step if there is one, else the graph compiled on `args` (2 rows or more) and saved."""
+        path = self.path
+        if path is not None and (step := load_step(path)) is not None:
+            self.source = "loaded"
+            return step
+        assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
+        dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True})
+        with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
+            step = dynamo.aot_compile((args, {}))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            step.save_compiled_function(str(path))  # written to a temporary file, then renamed
+        step.disable_guard_check()
+        self.source = "compiled"
+        return step
 
     @torch.no_grad()
     def __call__(self, model: Transformer, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
         from .transformer import ForwardOutput
 
+        if self.graph is None and sum(b.tokens.shape[0] for b in batch) < 2 and not self.saved:
+            self.warm_up(progress=False)  # traced on its 2-row step first
         masks, slots, write_rows, logit_rows, begin = [], [], [], [], 0
         starts = [b.cache.begin(b.tokens.shape[0]) for b in batch]
         C = -(-max(s + b.tokens.shape[0] for s, b in zip(starts, batch, strict=True)) // BUCKET) * BUCKET
@@ -154,6 +229,8 @@ class CompiledStep:
         args = (model, torch.cat([b.tokens for b in batch]), torch.cat([b.positions for b in batch]),
                 torch.cat(slots), torch.cat(write_rows), torch.cat(masks), torch.cat(logit_rows), self.rope,
                 self.store.k, self.store.v)
+        if self.graph is None:
+            self.graph = self._prepare(args)
         last, hidden = self.graph(*args)
         logits = model.lm_head(last).float()
         outputs, row, offset = [], 0, 0

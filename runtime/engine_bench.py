@@ -19,6 +19,7 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
+from dspark_grpc.speculation.cost_table import default_cache_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", default="off", help="off, or fast: also time the fast precision's compiled step "
                    "(compiled first, progress shown) and check its verify rows against its AR steps")
+    p.add_argument("--compile-cache", type=Path, default=default_cache_dir("compiled", "DSPARK_COMPILE_CACHE"),
+                   help="where the compiled step is saved and looked up (as the target's --compile-cache)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"{precision} ({model.dtype}, {matmul_kind(model)})"] = model
         if precision == "fast" and args.compile != "off":
             compiled = inference_model(load_checkpoint(path, progress=False, precision=precision), precision,
-                                       compile=args.compile, progress=True)
+                                       compile=args.compile, progress=True, compile_cache=args.compile_cache)
             variants[f"{precision}, compile {args.compile}"] = compiled
             print(f"compiled step, verify rows vs AR steps: {check_invariance(compiled)}", flush=True)
         if model.batch_invariant:

@@ -222,9 +222,10 @@ def spot_check_problem(table: CostTable, measured_seconds: float, factor: float 
             f"ms now, the table says {expected * 1e3:.1f} ms")
 
 
-def default_cache_dir() -> Path:
-    """$DSPARK_COST_CACHE, else $XDG_CACHE_HOME/dspark-grpc/cost-tables (~/.cache/...)."""
-    if os.environ.get("DSPARK_COST_CACHE"):
-        return Path(os.environ["DSPARK_COST_CACHE"])
+def default_cache_dir(name: str = "cost-tables", env: str = "DSPARK_COST_CACHE") -> Path:
+    """$`env`, else $XDG_CACHE_HOME/dspark-grpc/`name` (~/.cache/...): the cost tables by default; the target's
+    compiled steps with ("compiled", "DSPARK_COMPILE_CACHE")."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dspark-grpc" / "cost-tables"
+    return Path(base) / "dspark-grpc" / name

@@ -35,8 +35,12 @@ def parser() -> argparse.ArgumentParser:
                         "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
     s.add_argument("--compile", choices=("off", "fast"), default="off",
                    help="fast (with --precision fast): AR steps and verifies run as one compiled graph "
-                        "(torch.compile; compiled at start-up with progress shown, cached across restarts by "
-                        "torch's inductor cache); greedy speculation still equals greedy AR of the same setting")
+                        "(torch.compile; compiled at start-up with progress shown and saved in --compile-cache, so "
+                        "a restart loads it in seconds); greedy speculation still equals greedy AR of the same "
+                        "setting")
+    s.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                   help="where compiled steps are saved and looked up; default $DSPARK_COMPILE_CACHE, else "
+                        "~/.cache/dspark-grpc/compiled")
     s.add_argument("--max-tree-nodes", type=int, default=256)
     s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
@@ -112,12 +116,14 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
+        from dspark_grpc.speculation.cost_table import default_cache_dir
+
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                   precision=args.precision, compile=args.compile)
+                                   precision=args.precision, compile=args.compile,
+                                   compile_cache=args.compile_cache or default_cache_dir("compiled",
+                                                                                        "DSPARK_COMPILE_CACHE"))
         if not args.no_cost_profile:
             from dspark_grpc.runtime.cost_profile import target_cost_tables
-            from dspark_grpc.speculation.cost_table import default_cache_dir
-
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
             engine.cost_tables = target_cost_tables(engine.model, args.cost_cache or default_cache_dir(), progress=say)
             if say:

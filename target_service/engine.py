@@ -136,16 +136,18 @@ class TargetEngine:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
-             progress: bool = True, precision: str = "exact", compile: str = "off") -> TargetEngine:
+             progress: bool = True, precision: str = "exact", compile: str = "off",
+             compile_cache: Path | None = None) -> TargetEngine:
         """precision "exact": float32 (or `dtype`); "fast": int4 weights from a GGUF's Q4 blocks, bf16 activations;
-        compile "fast": the fast precision's steps as compiled graphs (runtime/checkpoint.inference_model)."""
+        compile "fast": the fast precision's steps as compiled graphs (runtime/checkpoint.inference_model), saved in
+        and loaded from `compile_cache`."""
         t0 = time.perf_counter()
         ckpt = load_checkpoint(path, progress=progress, precision=precision)
         if ckpt.gguf_metadata is not None:
             tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
         else:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
-        model = inference_model(ckpt, precision, dtype, compile=compile, progress=progress)
+        model = inference_model(ckpt, precision, dtype, compile=compile, progress=progress, compile_cache=compile_cache)
         if progress:
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
         return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())

@@ -21,10 +21,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if "DSPARK_COST_CACHE" not in os.environ:
     os.environ["DSPARK_COST_CACHE"] = tempfile.mkdtemp(prefix="dspark-cost-tables-")
     atexit.register(shutil.rmtree, os.environ["DSPARK_COST_CACHE"], ignore_errors=True)
-# Compiled steps (tests/runtime/test_compiled_step.py) keep torch's inductor cache inside the run as well.
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-inductor-")
-    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+# Compiled steps (tests/runtime/test_compiled_step.py) keep torch's inductor cache and their saved steps inside the
+# run as well.
+for _env, _prefix in (("TORCHINDUCTOR_CACHE_DIR", "dspark-inductor-"), ("DSPARK_COMPILE_CACHE", "dspark-compiled-")):
+    if _env not in os.environ:
+        os.environ[_env] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_env], ignore_errors=True)
 # One torch thread in this process and in every service it starts (they inherit OMP_NUM_THREADS): the test process
 # and a service, or two services, take turns on CI's 2 cores, and with another job on one of them an OpenMP team of
 # two waits at every barrier for its descheduled thread (measured: a small matmul 4x slower than on one thread).

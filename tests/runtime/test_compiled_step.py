@@ -11,7 +11,7 @@ import pytest
 import torch
 from dspark_grpc.runtime import engine_bench
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.compiled_step import CompiledStep
+from dspark_grpc.runtime.compiled_step import CompiledStep, artifact_key, load_step
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.quant import int4_available
@@ -38,11 +38,12 @@ def one_layer_fast_model(directory) -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_hf_models):
-    """qwen3: q/k norms, a tied head. The eager fast model, and the same compiled."""
+def models(tiny_hf_models, tmp_path_factory):
+    """qwen3: q/k norms, a tied head. The eager fast model, and the same compiled (and saved in a cache dir)."""
     eager = one_layer_fast_model(tiny_hf_models["qwen3"])
     compiled = one_layer_fast_model(tiny_hf_models["qwen3"])
-    compiled.compiled = CompiledStep(compiled)
+    compiled.compiled = CompiledStep(compiled, tmp_path_factory.mktemp("compiled"))
+    compiled.compiled.warm_up(progress=False)
     return eager, compiled
 
 
@@ -101,3 +102,32 @@ def test_slots_are_reused_and_the_store_grows_keeping_rows(models):
     slots = store.slots
     freed = {caches.pop().slot, caches.pop().slot}  # collected at once: their slots are free again
     assert {model.new_cache().slot, model.new_cache().slot} == freed and store.slots == slots
+
+
+def test_a_restart_loads_the_saved_step_and_computes_the_same(models, tiny_hf_models):
+    _, compiled = models
+    assert compiled.compiled.source == "compiled" and compiled.compiled.saved
+    restarted = one_layer_fast_model(tiny_hf_models["qwen3"])  # the same model, built again
+    restarted.compiled = CompiledStep(restarted, compiled.compiled.cache_dir)
+    restarted.compiled.warm_up(progress=False)
+    assert restarted.compiled.source == "loaded"
+    prompt = random_tokens(100, seed=7)
+    runs = [ar_steps(model, prompt, 6) for model in (compiled, restarted)]
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+    tree, parents = tree_of(compiled, runs[0][0])
+    verified = []
+    for model in (compiled, restarted):
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        verified.append(verify_tree(model, cache, tree, parents)[0])
+    assert torch.equal(verified[0], verified[1])
+
+
+def test_a_saved_step_is_used_only_by_the_model_it_was_traced_for(models, tiny_hf_models, tmp_path):
+    _, compiled = models
+    assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen3"])) == artifact_key(compiled)
+    assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen2"])) != artifact_key(compiled)  # q/k bias, no norms
+    garbage = tmp_path / "step.bin"
+    garbage.write_bytes(b"not a compiled step")
+    assert load_step(garbage) is None and load_step(tmp_path / "missing.bin") is None  # compiled again, no failure
