@@ -180,7 +180,7 @@ class CompiledStep:
         seconds = time.perf_counter() - t0
         if progress:
             where = f"loaded from {self.path}" if self.source == "loaded" else (
-                f"compiled, saved to {self.path}" if self.path is not None else "compiled")
+                f"compiled, saved to {self.path}" if self.saved else "compiled")
             print(f"[dspark] step graph ready ({where}; {seconds:.1f} s)", file=sys.stderr, flush=True)
         return seconds
 
@@ -195,8 +195,12 @@ class CompiledStep:
         with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
             step = dynamo.aot_compile((args, {}))
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            step.save_compiled_function(str(path))  # written to a temporary file, then renamed
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                step.save_compiled_function(str(path))  # written to a temporary file, then renamed
+            except OSError as e:  # a read-only or full cache: this start still serves, the next compiles again
+                print(f"[dspark] could not save the step graph to {path} ({e}); the next start compiles it again",
+                      file=sys.stderr, flush=True)
         step.disable_guard_check()
         self.source = "compiled"
         return step

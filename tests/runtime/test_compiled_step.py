@@ -131,3 +131,16 @@ def test_a_saved_step_is_used_only_by_the_model_it_was_traced_for(models, tiny_h
     garbage = tmp_path / "step.bin"
     garbage.write_bytes(b"not a compiled step")
     assert load_step(garbage) is None and load_step(tmp_path / "missing.bin") is None  # compiled again, no failure
+
+
+def test_a_cache_dir_that_cannot_be_written_costs_only_the_save(models, tiny_hf_models, tmp_path):
+    _, compiled = models
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    model = one_layer_fast_model(tiny_hf_models["qwen3"])
+    model.compiled = CompiledStep(model, blocked / "compiled")  # mkdir fails: a file is in the way
+    model.compiled.warm_up(progress=False)
+    assert model.compiled.source == "compiled" and not model.compiled.saved
+    prompt = random_tokens(40, seed=8)
+    runs = [ar_steps(m, prompt, 3) for m in (compiled, model)]
+    assert runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
