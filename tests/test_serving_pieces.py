@@ -147,7 +147,11 @@ def test_service_cli_sets_the_openmp_spin_count_before_torch_loads(module):
     from dspark_grpc.runtime.openmp import SPIN_COUNT
 
     assert out.stdout.split() == [SPIN_COUNT, "True"]
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "123"}, capture_output=True,
+
+
+def test_a_spin_count_the_user_exported_wins():  # runtime/openmp.py, which both service CLIs import first
+    code = "import os; from dspark_grpc.runtime import openmp; print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GOMP_SPINCOUNT": "123"}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["123", "True"], out.stderr
 
