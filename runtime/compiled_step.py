@@ -122,6 +122,19 @@ def load_step(path: Path) -> Callable | None:
     return step
 
 
+def save_step(step, path: Path) -> bool:
+    """Save a compiled step (`aot_compile`'s result) for the next start; False when the cache cannot be written
+    (read-only, full): this start still serves, the next one compiles again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        step.save_compiled_function(str(path))  # written to a temporary file, then renamed
+    except OSError as e:
+        print(f"[dspark] could not save the step graph to {path} ({e}); the next start compiles it again",
+              file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 class CompiledStep:
     """The model's step graph and the slot store every session's cache lives in. `cache_dir`: where compiled steps
     are saved and looked up (None: compiled at every start)."""
@@ -195,12 +208,7 @@ class CompiledStep:
         with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
             step = dynamo.aot_compile((args, {}))
         if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                step.save_compiled_function(str(path))  # written to a temporary file, then renamed
-            except OSError as e:  # a read-only or full cache: this start still serves, the next compiles again
-                print(f"[dspark] could not save the step graph to {path} ({e}); the next start compiles it again",
-                      file=sys.stderr, flush=True)
+            save_step(step, path)
         step.disable_guard_check()
         self.source = "compiled"
         return step
