@@ -336,8 +336,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         planned = None
         if drafting is not None:
             planned, drafting.next = drafting.next, None
-            if planned is None:
-                planned = NextStep(drafting.plan(self.chooser.load(len(engine.sessions), time.perf_counter())))
+            if planned is None:  # (room < 2: nothing can be drafted, this step is AR; nothing is drafted ahead for it)
+                planned = NextStep(drafting.plan(self.chooser.load(len(engine.sessions), time.perf_counter()))
+                                   if room >= 2 else AR)
         arm = planned.arm if planned is not None else AR
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
@@ -398,7 +399,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)
-            more = committed.length + 1 < max_length and (not tokens_left or len(out.path) < tokens_left)
+            more = committed.length + 1 < max_length and (not tokens_left or len(out.path) + 1 < tokens_left)
             if self.draft_ahead and drafting.active and more:
                 drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []

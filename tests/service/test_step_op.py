@@ -73,9 +73,22 @@ def test_tokens_left_bounds_the_draft_and_the_draft_ahead(session, spec_target):
     for left in (2, 1):
         report = session.ok(step=target_pb2.Step(session_id=sid, tokens_left=left)).report
         assert report.draft_depth == left - 1, (left, report)
-    # the random drafter is never right: a step emits one token, so the bounded step of 1 ended the request
+        if left == 2:  # it emitted one token (the random drafter is never right): one may follow, nothing to draft
+            before = draft_ahead_count(metrics_url)
+    assert draft_ahead_count(metrics_url) == before  # the step of 1 was not drafted ahead
+    # the bounded step of 1 ended the request
     before = draft_ahead_count(metrics_url)
     session.ok(step=target_pb2.Step(session_id=sid))
     assert draft_ahead_count(metrics_url) == before  # that step was drafted when it came, not ahead
     response = session.call(step=target_pb2.Step(session_id=sid, tokens_left=-1))
     assert response.status.code == 3 and "tokens_left" in response.status.message
+
+
+def test_an_adaptive_step_that_can_emit_one_token_is_planned_ar(session):
+    """Nothing can be drafted for it, whatever the target's chooser would say: it is an AR step by plan, not a
+    speculative step that fell back (tests/service/test_fail_closed.py counts on that)."""
+    sid = session.ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(
+        mode=common_pb2.DECODE_MODE_ADAPTIVE))).session_id
+    session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    report = session.ok(step=target_pb2.Step(session_id=sid, tokens_left=1)).report
+    assert report.planned_ar and report.draft_depth == 0 and report.draft_seconds == 0
