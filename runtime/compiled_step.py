@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch._dynamo.config as dynamo_config
+from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .batch_invariant import BUCKET
 from .rope import rope_cos_sin, rotate_half
@@ -105,6 +106,11 @@ def artifact_key(model: Transformer) -> str:
     for source in sorted(Path(__file__).parent.glob("*.py")):  # the model code the graph is traced from
         h.update(source.read_bytes())
     return h.hexdigest()[:20]
+
+
+def default_compile_cache() -> Path:
+    """$DSPARK_COMPILE_CACHE, else ~/.cache/dspark-grpc/compiled: where the target and the engine bench keep steps."""
+    return default_cache_dir("compiled", "DSPARK_COMPILE_CACHE")
 
 
 def load_step(path: Path) -> Callable | None:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.speculation.cost_table import default_cache_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from .compiled_step import default_compile_cache
 from .cost_profile import profile_target
 from .decode import commit_path, prefill, tree_input, verify_tree
 from .linear import matmul_kind
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", default="off", help="off, or fast: also time the fast precision's compiled step "
                    "(compiled first, progress shown) and check its verify rows against its AR steps")
-    p.add_argument("--compile-cache", type=Path, default=default_cache_dir("compiled", "DSPARK_COMPILE_CACHE"),
+    p.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
                    help="where the compiled step is saved and looked up (as the target's --compile-cache)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -116,12 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
+        from dspark_grpc.runtime.compiled_step import default_compile_cache
         from dspark_grpc.speculation.cost_table import default_cache_dir
 
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
                                    precision=args.precision, compile=args.compile,
-                                   compile_cache=args.compile_cache or default_cache_dir("compiled",
-                                                                                        "DSPARK_COMPILE_CACHE"))
+                                   compile_cache=args.compile_cache or default_compile_cache())
         if not args.no_cost_profile:
             from dspark_grpc.runtime.cost_profile import target_cost_tables
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
