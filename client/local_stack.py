@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -37,12 +36,27 @@ class ServiceExited(RuntimeError):
         self.name, self.returncode, self.last_lines, self.listened = name, returncode, last_lines, listened
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+# Run in a fresh interpreter that asks for SIGTERM when its launcher dies, then execs the real command (the request
+# survives exec). Not a `preexec_fn`: that makes subprocess fork() instead of vfork(), and fork() runs gRPC core's
+# atfork handler, which can block for good while the launcher holds channels (seen: a test restarting a killed
+# drafter hung in Popen).
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "launcher = int(sys.argv[1])\n"
+                    "try:\n"
+                    f"    ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+                    "except OSError:\n"
+                    "    pass\n"
+                    "if os.getppid() != launcher:\n"
+                    "    sys.exit(1)\n"
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+
+
+def child_command(python_args: list[str]) -> list[str]:
+    """`python PYTHON_ARGS`, made to get SIGTERM when the calling thread's process dies, however it dies (Linux,
+    main thread; elsewhere the plain command)."""
+    if not _own_children():
+        return [sys.executable, *python_args]
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *python_args]
 
 
 def _own_children() -> bool:
@@ -84,10 +98,9 @@ def _local_service(module: str, args: list[str], *, name: str, echo: bool = True
     """Run `python -m module serve --port PORT ARGS` (0 = a free port); yield its address once it listens (or, with
     `wait_serving`, once it reports SERVING); stop it on exit. A child that exits first raises `ServiceExited`.
     `process`, if given, receives the child process (tests kill it)."""
-    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = child_command(["-m", module, "serve", "--host", "127.0.0.1", "--port", str(port), *args])
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=_die_with_parent if _own_children() else None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if process is not None:
         process[:] = [p for p in process if p.poll() is None]  # a start that died is not the process
         process.append(proc)

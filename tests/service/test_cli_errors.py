@@ -112,12 +112,15 @@ def _wait_for(lines: list[str], proc: subprocess.Popen, text: str, timeout: floa
 def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
-    proc = subprocess.Popen([str(BIN / "dspark"), "bench", "--prompts", str(prompts), "--max-new-tokens", "4",
-                             "--modes", "ar", "--json", str(tmp_path / "b.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            # as from a terminal: a test runner started in the background has SIGINT ignored, and
-                            # an ignored signal stays ignored across exec (the launcher rightly leaves it so)
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # as from a terminal: a test runner started in the background has SIGINT ignored, and an ignored signal stays
+    # ignored across exec (the launcher rightly leaves it so); reset in a trampoline, not a preexec_fn (which forks,
+    # and a fork while this process holds gRPC channels can block in gRPC's atfork handler)
+    default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", default_sigint, str(BIN / "dspark"), "bench", "--prompts",
+                             str(prompts), "--max-new-tokens", "4", "--modes", "ar", "--json",
+                             str(tmp_path / "b.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
@@ -171,3 +174,27 @@ def test_bench_against_an_address_where_nothing_answers_fails_instead_of_waiting
     out = run("dspark", "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--modes", "ar", "--json",
               str(tmp_path / "b.json"), "--target", NOBODY, "--connect-timeout", "1")
     assert_one_line(out, 1, f"nothing answers at {NOBODY}", "is the service running")
+
+
+def test_a_killed_launcher_takes_its_services_with_it():
+    # the launcher gets SIGKILL (no handler runs): its child must still get SIGTERM from the kernel
+    launcher_code = ("import subprocess, time\n"
+                     "from dspark_grpc.client.local_stack import child_command\n"
+                     "child = subprocess.Popen(child_command(['-c', 'import time; time.sleep(300)']))\n"
+                     "print(child.pid, flush=True)\n"
+                     "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(launcher.stdout.readline()))
+        assert child.ppid() == launcher.pid
+        deadline = time.monotonic() + 60
+        while len(child.cmdline()) != 3:  # until it has exec'd its real command: python -c CODE
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait(timeout=30)
+        gone, alive = psutil.wait_procs([child], timeout=30)
+        assert not alive  # (not our child: its exit code cannot be read here)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
