@@ -45,6 +45,7 @@ from dspark_grpc.runtime.ngram import (
     merge_trees,
     ngram_tree,
 )
+from dspark_grpc.runtime.sampling import check_temperature
 from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
 from dspark_grpc.runtime.sessions import SessionStore
 from dspark_grpc.runtime.tokenizer import TextTokenizer
@@ -303,6 +304,12 @@ class DraftEngine:
                  kernel: str, temperature: float, generator: torch.Generator | None, proposer: str) -> ProposalResult:
         if proposer not in self.proposers:
             raise InvalidArgument(f"proposer {proposer!r} is not available here; this drafter offers {self.proposers}")
+        if budget < 0:
+            raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {budget}")
+        try:
+            check_temperature(temperature)
+        except ValueError as e:
+            raise InvalidArgument(f"sampling: {e}") from e
         if not 0 <= anchor_token < self.vocab_size:
             raise InvalidArgument(f"anchor token {anchor_token} out of range [0, {self.vocab_size})")
         if anchor_position != s.length:

@@ -9,7 +9,7 @@ import torch
 from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.errors import InvalidArgument, ServiceError, Unavailable
-from dspark_grpc.runtime.sampling import check_temperature, make_generator
+from dspark_grpc.runtime.sampling import make_generator
 from dspark_grpc.runtime.security import principal_of
 from dspark_grpc.runtime.serving import check_enum, run_session_op, session_stream
 from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
@@ -93,12 +93,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             check_enum(draft_pb2.ProposalKind, m.kind, "propose.kind")
             check_enum(draft_pb2.Proposer, m.proposer, "propose.proposer")
             check_enum(draft_pb2.KernelChoice, m.kernel, "propose.kernel")
-            if m.budget < 0:
-                raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {m.budget}")
-            try:
-                check_temperature(m.sampling.temperature)
-            except ValueError as e:
-                raise InvalidArgument(f"sampling: {e}") from e
             tree = m.kind == draft_pb2.PROPOSAL_KIND_TREE
             generator = make_generator(m.sampling.seed) if m.sampling.HasField("seed") else None
             out = engine.propose(m.session_id, m.anchor_token, m.anchor_position, tree=tree, budget=m.budget,

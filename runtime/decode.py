@@ -3,6 +3,8 @@
 Plain autoregressive decoding is verify_tree with a single root node, then commit_path([0]).
 Each step takes an optional `forward` (a SequenceInput -> ForwardOutput callable, e.g. a StepBatcher's, which
 runs it in a ragged batch with other sessions' steps); the default runs it alone.
+Inputs are validated by the caller (target_service/engine.py checks a request's tokens, tree and path once, where
+it enters); these functions only assert what they rely on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from .kv_cache import KVCache
 from .transformer import ForwardOutput, SequenceInput, Transformer
-from .tree import ancestor_mask, is_root_path, tree_depths, validate_tree
+from .tree import ancestor_mask, is_root_path, tree_depths
 
 Forward = Callable[[SequenceInput], ForwardOutput]
 
@@ -34,8 +36,7 @@ def prefill(
 
     Returns the last token's logits [V] (float32) and the captures [T, L, H] (None without capture layers).
     """
-    if not tokens:
-        raise ValueError("prefill needs at least one token")
+    assert tokens, "prefill needs at least one token"
     captures = []
     for begin in range(0, len(tokens), chunk_size):
         chunk = torch.tensor(tokens[begin : begin + chunk_size], dtype=torch.long)
@@ -61,9 +62,10 @@ def verify_tree(
     """One forward over the N tree nodes, each at position cache.length + depth and attending to every
     committed row and to its own ancestors. The N rows stay pending in the cache until commit_path.
 
+    The tree is validated by the caller (runtime/tree.validate_tree, as TargetEngine.verify does).
     Returns logits [N, V] (float32) and captures [N, L, H] (None without capture layers).
     """
-    validate_tree(tokens, parents, model.config.vocab_size, max_nodes=len(tokens))
+    assert len(tokens) == len(parents) >= 1, (len(tokens), len(parents))
     out = (forward or run_alone(model))(tree_input(cache, tokens, parents, capture_layers))
     cache.pending_parents = list(parents)
     return out.logits, out.captures
@@ -79,13 +81,10 @@ def tree_input(cache: KVCache, tokens: Sequence[int], parents: Sequence[int],
 
 
 def commit_path(cache: KVCache, path: Sequence[int]) -> None:
-    """Keep the pending rows of a root-to-node path (node indices of the last verify) as committed rows."""
+    """Keep the pending rows of a root-to-node path (node indices of the last verify) as committed rows; the path is
+    validated by the caller (TargetEngine.commit)."""
     parents = cache.pending_parents
     if parents is None:
         parents = [i - 1 for i in range(cache.pending)]  # rows of a plain causal forward form a chain
-    if not is_root_path(parents, path):
-        raise ValueError(
-            f"path {list(path)} is not a root-to-node path of the {len(parents)} pending nodes: it must "
-            "start at node 0 and each node must be the child of the one before"
-        )
+    assert is_root_path(parents, path), (list(path), parents)
     cache.commit(list(path))

@@ -109,9 +109,7 @@ class Drafter(nn.Module):
         """The target's features [n, m, target_hidden] or [n, m * target_hidden] at target_layer_ids, as the
         [n, m * target_hidden] rows `context_kv` takes (in the drafter's dtype, on its device)."""
         n, m, width = features.shape[0], len(self.config.target_layer_ids), self.config.target_hidden_size
-        if features.shape[1:] not in ((m, width), (m * width,)):
-            expected = f"[n, {m}, {width}] or [n, {m * width}]"
-            raise ValueError(f"context features {tuple(features.shape)}: expected {expected}")
+        assert features.shape[1:] in ((m, width), (m * width,)), (features.shape, m, width)
         return features.reshape(n, -1).to(device=self.device, dtype=self.dtype)
 
     def context_kv(self, rows: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -130,13 +128,12 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def forward_blocks(self, items: Sequence[tuple[DraftContext, int]]) -> list[BlockOutput]:
         """`forward_block` for several sessions in one pass over the draft layers: their blocks' rows are
-        concatenated (projections, MLPs and lm_head run once), attention runs per block against its own context."""
+        concatenated (projections, MLPs and lm_head run once), attention runs per block against its own context.
+        The anchors are validated by the caller (DraftEngine.propose)."""
         c = self.config
         if not items:
             raise ValueError("forward_blocks needs at least one (context, anchor) item")
-        bad = [a for _, a in items if not 0 <= a < c.vocab_size]
-        if bad:
-            raise ValueError(f"anchor token {bad[0]} outside the vocabulary [0, {c.vocab_size})")
+        assert all(0 <= a < c.vocab_size for _, a in items), [a for _, a in items]
         B, S = c.block_size, len(items)
         project_waiting([ctx for ctx, _ in items])
         tokens = torch.full((S, B), c.mask_token_id, dtype=torch.long, device=self.device)
@@ -173,7 +170,8 @@ class DraftContext:
     """One session's context K/V for every draft layer: rows 0..length-1, RoPE at their absolute positions.
 
     Appended rows wait, unprojected, until the next drafter pass (or `layer_kv`) projects them: a pass projects the
-    waiting rows of all its sessions at once, however many appends brought them."""
+    waiting rows of all its sessions at once, however many appends brought them. Positions, lengths and feature
+    shapes are validated by the caller (DraftEngine.append/truncate); only the cache's bound is an error here."""
 
     def __init__(self, drafter: Drafter, max_length: int | None = None, initial_capacity: int = 256) -> None:
         c = drafter.config
@@ -189,8 +187,7 @@ class DraftContext:
 
     def append(self, features: Tensor, start: int) -> None:
         """Context rows start..start+n-1 from the target's features [n, m, target_hidden] (or [n, m*target_hidden])."""
-        if start != self.length:
-            raise ValueError(f"append at {start}, but the context holds {self.length} rows")
+        assert start == self.length, (start, self.length)
         rows = self.drafter.context_rows(features)
         if rows.shape[0] == 0:
             return
@@ -200,8 +197,7 @@ class DraftContext:
         self.waiting.append(rows)
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"truncate to {length} outside [0, {self.length}]")
+        assert 0 <= length <= self.length, (length, self.length)
         if length <= self.cache.length:
             self.cache.rollback(length)
             self.waiting = []

@@ -185,8 +185,7 @@ def check_chain_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | No
     vocab = base_logits.shape[1]
     if markov is not None:
         assert markov.draft_vocab == vocab, f"markov head drafts {markov.draft_vocab} tokens, logits have {vocab}"
-        if not 0 <= anchor < markov.target_vocab:
-            raise ValueError(f"anchor {anchor} outside the target vocabulary [0, {markov.target_vocab})")
+        assert 0 <= anchor < markov.target_vocab, f"anchor {anchor} outside [0, {markov.target_vocab})"
     if d2t is not None:
         assert d2t.shape == (vocab,), f"d2t must be [V_d={vocab}], got {tuple(d2t.shape)}"
     if confidence is not None and confidence.with_markov and markov is None:
@@ -242,8 +241,9 @@ def check_kernel(name: str) -> None:
 def choose_kernel(requested: str, markov_kind: str | None, temperature: float, device: torch.device | str) -> str:
     """-> 'fused' (the Triton chain) or 'torch'. 'auto' fuses on a CUDA device when Triton is there, the head is
     vanilla (or absent) and decoding is greedy; the CPU interpreter (TRITON_INTERPRET=1) is for tests and runs when
-    'fused' is asked for by name. A 'fused' request that cannot run is refused."""
-    check_kernel(requested)
+    'fused' is asked for by name. A 'fused' request that cannot run is refused. A request's kernel name is checked
+    by the caller (`check_kernel`, in DraftEngine.propose)."""
+    assert requested in KERNELS, requested
     if requested == "torch":
         return "torch"
     from .markov_triton import triton_runnable
@@ -271,8 +271,7 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
     """
     assert base_logits.dim() == 2 and hidden_pre.dim() == 2 and hidden_post.shape == hidden_pre.shape
     assert hidden_pre.shape[0] == base_logits.shape[0], "one hidden row per drafted slot"
-    if not (temperature >= 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    assert 0 <= temperature < float("inf"), temperature  # a request's temperature is checked by DraftEngine.propose
     check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
     if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == "fused":
         from .markov_triton import markov_chain_fused

@@ -373,24 +373,17 @@ class Transformer(nn.Module):
         return None
 
     def _check_input(self, b: SequenceInput) -> None:
-        tokens, positions, cache, mask = b.tokens, b.positions, b.cache, b.mask
+        """What a forward relies on, checked for every sequence of a batch before any cache is touched. The caller
+        validates what a request brings (token ids, capture layers, the tree: target_service/engine.py); only the
+        cache's bound is an error here, since no caller's check covers every cache."""
+        tokens, positions, cache, mask, rows_mask = b.tokens, b.positions, b.cache, b.mask, b.new_rows_mask
         T = tokens.shape[0]
-        if tokens.ndim != 1 or positions.shape != tokens.shape:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be [T]")
-        if T < 1:
-            raise ValueError("a forward needs at least one token")
-        bad = [i for i in b.capture_layers if not 0 <= i < self.config.num_layers]
-        if bad:
-            raise ValueError(f"capture layer ids {bad} outside 0..{self.config.num_layers - 1}")
-        if mask is not None and (mask.dtype != torch.bool or mask.shape != (T, cache.length + T)):
-            raise ValueError(f"mask must be bool [{T}, {cache.length + T}], got {mask.dtype} {tuple(mask.shape)}")
-        rows_mask = b.new_rows_mask
-        if rows_mask is not None and (mask is not None or rows_mask.dtype != torch.bool or rows_mask.shape != (T, T)):
-            raise ValueError(f"new_rows_mask must be bool [{T}, {T}] and come without mask")
-        if cache.dtype != self.dtype:
-            raise ValueError(f"cache dtype {cache.dtype} differs from the model's {self.dtype}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        assert tokens.ndim == 1 and positions.shape == tokens.shape and T >= 1, (tokens.shape, positions.shape)
+        assert all(0 <= i < self.config.num_layers for i in b.capture_layers), b.capture_layers
+        assert mask is None or (mask.dtype == torch.bool and mask.shape == (T, cache.length + T)), (mask.shape, T)
+        assert rows_mask is None or (mask is None and rows_mask.dtype == torch.bool and rows_mask.shape == (T, T)), (
+            rows_mask.shape, T)
+        assert cache.dtype == self.dtype, (cache.dtype, self.dtype)
         if cache.length + T > cache.max_length:
             raise CacheFullError(f"sequence would reach {cache.length + T} tokens, over the cache's max_length "
                                  f"{cache.max_length}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +35,12 @@ from dspark_grpc.cli_common import CHAT_ROLES
 # How long a speculative round's forward waits for a session of the round that has not submitted its verify yet
 # (only a step thread that never gets to run waits this long: one that fails first says so).
 ROUND_WAIT_S = 2.0
+# A text or chat prompt is refused before tokenizing when it is longer than this many characters per token of the
+# target's context: a token of a byte-level BPE rarely spans more than a few bytes, so this only catches what could
+# never fit.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
 
-Prompt = str | list[dict[str, str]] | list[int]
+Prompt = str | list[dict[str, str]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -190,8 +194,11 @@ class TargetEngine:
 
     # -- prompt -----------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, self.model.config.vocab_size)
+    def encode_prompt(self, prompt: Prompt, max_length: int | None = None) -> list[int]:
+        """The prompt's ids, fewer than `max_length` (a session's); text or chat longer than MAX_PROMPT_CHARS_PER_TOKEN
+        characters per token of this target's context is refused before tokenizing."""
+        return encode_prompt(self.tokenizer, prompt, self.model.config.vocab_size, max_length,
+                             self.max_length * MAX_PROMPT_CHARS_PER_TOKEN)
 
     def check_tokens(self, ids: list[int], what: str) -> None:
         check_tokens(ids, what, self.model.config.vocab_size)
@@ -204,10 +211,7 @@ class TargetEngine:
         s = self.sessions.get(session_id)
         if s.prefilled:
             raise FailedPrecondition("this session is already prefilled; open a new session or Rollback")
-        ids = self.encode_prompt(prompt)
-        if len(ids) >= s.max_length:
-            raise InvalidArgument(f"the prompt has {len(ids)} tokens; this session holds at most "
-                                  f"{s.max_length - 1} prompt tokens (max_length {s.max_length})")
+        ids = self.encode_prompt(prompt, s.max_length)
         self._check_capture_size(s, len(ids), max_capture_bytes, "a prefill")
         s.sampling = sampling or SamplingParams()
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
@@ -385,28 +389,48 @@ def model_display_name(path: str | Path, name: str) -> str:
     return name or path.name
 
 
-def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
-    """Prompt ids: text (special tokens added), chat messages (the model's chat template) or token ids."""
+def encode_prompt(tokenizer: TextTokenizer, prompt: Prompt, vocab_size: int, max_length: int | None = None,
+                  max_chars: int | None = None) -> list[int]:
+    """Prompt ids: text (special tokens added), chat messages (the model's chat template) or token ids; fewer than
+    `max_length` of them (None: any number). Sizes are checked before any work: text or chat over `max_chars` is not
+    tokenized, token ids past `max_length` are not converted."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidArgument("the prompt is empty")
+        _check_prompt_chars(len(prompt), max_chars)  # chars <= bytes: no encoding needed
         ids = tokenizer.encode(prompt, add_special_tokens=True)
+        _check_prompt_length(len(ids), max_length)
     elif prompt and isinstance(prompt[0], dict):
         for i, m in enumerate(prompt):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidArgument(f"chat message {i} has role {m.get('role')!r}; roles are "
                                       f"{', '.join(CHAT_ROLES)}")
+        _check_prompt_chars(sum(len(m["role"]) + len(m.get("content") or "") for m in prompt), max_chars)
         try:
             text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
         except ValueError as e:
             raise InvalidArgument(f"cannot render the chat messages: {e}") from e
         ids = tokenizer.encode(text, add_special_tokens=False)
+        _check_prompt_length(len(ids), max_length)
     else:
+        _check_prompt_length(len(prompt), max_length)
         ids = [int(t) for t in prompt]
         check_tokens(ids, "prompt", vocab_size)
     if not ids:
         raise InvalidArgument("the prompt is empty")
     return ids
+
+
+def _check_prompt_chars(n: int, max_chars: int | None) -> None:
+    if max_chars is not None and n > max_chars:
+        raise InvalidArgument(f"the prompt has {n} characters; this target takes at most {max_chars} "
+                              f"({max_chars // MAX_PROMPT_CHARS_PER_TOKEN} tokens of context)")
+
+
+def _check_prompt_length(n: int, max_length: int | None) -> None:
+    if max_length is not None and n >= max_length:
+        raise InvalidArgument(f"the prompt has {n} tokens; this session holds at most {max_length - 1} prompt "
+                              f"tokens (max_length {max_length})")
 
 
 def check_tokens(ids: list[int], what: str, vocab_size: int) -> None:

@@ -32,9 +32,6 @@ from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
 DEFAULT_MAX_NEW_TOKENS = 128
-# A text prompt is refused before tokenizing when it is longer than this many bytes per token of the context: a
-# token of a byte-level BPE rarely spans more than a few bytes, so this only catches what could never fit.
-MAX_PROMPT_BYTES_PER_TOKEN = 32
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # each; the stop-string check runs per token over the held-back text
 
@@ -47,30 +44,19 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"sampling: {e}") from e
 
 
-def prompt_from_proto(msg: common_pb2.Prompt, max_tokens: int) -> Prompt:
-    """Sizes are checked before any work: a prompt that could never fit `max_tokens` is not tokenized."""
+def prompt_from_proto(msg: common_pb2.Prompt) -> Prompt:
+    """The prompt as TargetEngine.prefill takes it (which checks it: sizes, roles, token ids); token ids stay in
+    their protobuf container, so an oversized prompt is refused before they are copied."""
     kind = msg.WhichOneof("kind")
-    max_bytes = max_tokens * MAX_PROMPT_BYTES_PER_TOKEN
     if kind == "text":
-        _check_prompt_bytes(len(msg.text), max_bytes, max_tokens)  # chars <= bytes: no encoding needed
         return msg.text
     if kind == "chat":
         if not msg.chat.messages:
             raise InvalidArgument("prompt.chat has no messages")
-        _check_prompt_bytes(sum(len(m.role) + len(m.content) for m in msg.chat.messages), max_bytes, max_tokens)
         return [{"role": m.role, "content": m.content} for m in msg.chat.messages]
     if kind == "tokens":
-        if len(msg.tokens.ids) >= max_tokens:
-            raise InvalidArgument(f"the prompt has {len(msg.tokens.ids)} tokens; this target holds at most "
-                                  f"{max_tokens - 1} prompt tokens")
-        return list(msg.tokens.ids)
+        return msg.tokens.ids
     raise InvalidArgument("the prompt is missing: set prompt.text, prompt.chat or prompt.tokens")
-
-
-def _check_prompt_bytes(n: int, max_bytes: int, max_tokens: int) -> None:
-    if n > max_bytes:
-        raise InvalidArgument(f"the prompt has {n} characters; this target takes at most {max_bytes} "
-                              f"({max_tokens} tokens of context)")
 
 
 def check_stop(stop) -> None:
@@ -221,8 +207,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return dict(opened=self._open(engine, request.open, owner))
         if op == "prefill":
             m = request.prefill
-            out = engine.prefill(m.session_id, prompt_from_proto(m.prompt, engine.max_length),
-                                 sampling_from_proto(m.sampling), max_capture_bytes=self.max_reply_bytes)
+            out = engine.prefill(m.session_id, prompt_from_proto(m.prompt), sampling_from_proto(m.sampling),
+                                 max_capture_bytes=self.max_reply_bytes)
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
             self.step_ended[m.session_id] = (time.perf_counter(), None, engine.prefill_state()[0])
             drafting = self.drafting.get(m.session_id)
@@ -343,7 +329,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         t0 = time.perf_counter()
         tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
         proposers: list[int] = [0]
-        predicted = reply_depth = None
+        predicted = reply_depth = draft_ids = draft_logprobs = None  # an AR step's tree has no draft distributions
         try:
             if arm != AR and drafting.active:
                 if planned.reply is not None:  # drafted ahead
@@ -360,14 +346,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if proposal is not None:
                     fitted = drafting.fit(proposal, room, reply.depth)
                     try:
-                        _check_tree_tensors(fitted.tree)
+                        draft_ids, draft_logprobs = _check_tree_tensors(fitted.tree)
                     except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
                         drafting.fail(f"the drafter's proposal is malformed ({e.message})")
                     else:
                         tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
                         report.draft_batch_sessions = proposal.batch_sessions
                         report.truncated = fitted.truncated
-            draft_ids, draft_logprobs = _check_tree_tensors(tree)
             t1 = time.perf_counter()
             out = engine.verify(sid, list(tree.tokens), list(tree.parents), True, False, draft_ids, draft_logprobs)
         finally:
@@ -425,18 +410,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Generate(self, request, context):
         options = target_pb2.StepOptions(mode=request.mode, proposal=request.proposal, budget=request.budget,
                                          kernel=request.kernel, proposer=request.proposer)
-        try:
+        try:  # the fields Generate adds; the rest are checked where the session's open and prefill take them
             engine = self.ready_engine()
-            sampling_from_proto(request.sampling)  # validate before any work
-            prompt_from_proto(request.prompt, engine.max_length)
             check_stop(request.stop)
-            check_step_options(options, prefix="")
             if request.HasField("max_new_tokens") and request.max_new_tokens < 1:
                 raise InvalidArgument(f"max_new_tokens must be >= 1 (leave it unset for {DEFAULT_MAX_NEW_TOKENS}), "
                                       f"got {request.max_new_tokens}")
-            if request.mode == common_pb2.DECODE_MODE_SPECULATION and self.drafter_address is None:
-                raise FailedPrecondition("mode SPECULATION needs a drafter; start the target with --drafter ADDRESS "
-                                         "or ask for mode AR")
         except ServiceError as e:
             log_refusal("Generate", e)
             await context.abort(grpc.StatusCode[e.code_name], e.message)

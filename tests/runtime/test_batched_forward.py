@@ -10,6 +10,7 @@ import torch
 from dspark_grpc.runtime.batching import StepBatcher
 from dspark_grpc.runtime.checkpoint import load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.kv_cache import CacheFullError
 from dspark_grpc.runtime.transformer import SequenceInput, Transformer
 from runtime_helpers import hf_logits, random_tokens
 from transformers import AutoModelForCausalLM
@@ -95,12 +96,13 @@ def test_forward_batch_refuses_a_shared_cache_and_bad_input_before_touching_any_
     prefill(ours, a, [1, 2, 3])
     with pytest.raises(ValueError, match="own cache"):
         ours.forward_batch([tree_input(a, [4], [-1]), tree_input(a, [5], [-1])])
-    with pytest.raises(ValueError, match="token ids"):
-        ours.forward_batch([tree_input(a, [4], [-1]), tree_input(b, [10**6], [-1])])
+    full = ours.new_cache(max_length=1)
+    with pytest.raises(CacheFullError, match="max_length 1"):
+        ours.forward_batch([tree_input(a, [4], [-1]), tree_input(b, [5], [-1]), tree_input(full, [6, 7], [-1, 0])])
     bad_rows_mask = SequenceInput(torch.tensor([4, 5]), torch.tensor([3, 4]), a, new_rows_mask=torch.ones(3, 3).bool())
-    with pytest.raises(ValueError, match="new_rows_mask"):
-        ours.forward_batch([bad_rows_mask])
-    assert a.pending == 0 and b.pending == 0 and a.length == 3
+    with pytest.raises(AssertionError):
+        ours.forward_batch([tree_input(b, [5], [-1]), bad_rows_mask])
+    assert a.pending == 0 and b.pending == 0 and full.pending == 0 and a.length == 3
 
 
 def _blocked_batcher():

@@ -185,6 +185,7 @@ def test_handshake_refuses_foreign_drafter_and_bad_layers(raw, target_address):
     expect(raw, FAILED_PRECONDITION, "drafter", open=target_pb2.OpenSession(drafter_target=foreign))
     expect(raw, FAILED_PRECONDITION, "protocol version", open=target_pb2.OpenSession(protocol_version=7))
     expect(raw, INVALID_ARGUMENT, "out of range", open=target_pb2.OpenSession(capture_layer_ids=[3, 30]))
+    expect(raw, INVALID_ARGUMENT, "out of range", open=target_pb2.OpenSession(capture_layer_ids=[-1]))
     # the real fingerprint is accepted
     info = target_pb2_grpc.TargetServiceStub(raw.channel).GetModelInfo(target_pb2.GetModelInfoRequest())
     raw.ok(open=target_pb2.OpenSession(drafter_target=info.fingerprint, capture_layer_ids=[1, 15, 27]))
@@ -204,3 +205,18 @@ def test_operations_out_of_order(raw):
     off_path = target_pb2.Commit(session_id=sid, path=[1], next_token=5)
     expect(raw, INVALID_ARGUMENT, "root-to-node path", commit=off_path)
     expect(raw, INVALID_ARGUMENT, "rollback length", rollback=target_pb2.Rollback(session_id=sid, length=99))
+
+
+def test_commit_refuses_paths_that_are_not_root_paths(raw):
+    """The engine checks a commit's path (runtime/decode.commit_path only asserts it); a refused path leaves the
+    verified tree as it was."""
+    sid, pending = prefilled_session(raw)
+    raw.ok(verify=target_pb2.Verify(session_id=sid, tree=tree([pending, 7, 8, 9, 10], [-1, 0, 0, 1, 2])))
+    for bad in ([], [1], [0, 2, 3], [0, 1, 4], [0, 0], [0, 7], [0, -1]):
+        expect(raw, INVALID_ARGUMENT, "root-to-node path", commit=target_pb2.Commit(session_id=sid, path=bad,
+                                                                                   next_token=5))
+    expect(raw, INVALID_ARGUMENT, str(VOCAB), commit=target_pb2.Commit(session_id=sid, path=[0, 2, 4],
+                                                                        next_token=VOCAB))
+    assert raw.ok(commit=target_pb2.Commit(session_id=sid, path=[0, 2, 4], next_token=5)).length == 5 + 3
+    expect(raw, FAILED_PRECONDITION, "Verify a tree first", commit=target_pb2.Commit(session_id=sid, path=[0],
+                                                                                     next_token=5))

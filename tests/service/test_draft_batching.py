@@ -3,6 +3,7 @@ operations never interleave, and the start-up proposal cost tables are profiled 
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -19,6 +20,7 @@ from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime import cost_profile
 from dspark_grpc.runtime.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
 from dspark_grpc.runtime.tensor_codec import to_proto
 from dspark_grpc.speculation.cost_table import CostTable
 
@@ -202,6 +204,33 @@ def test_cost_tables_are_profiled_once_then_loaded(tmp_path, monkeypatch):
 
     tiny_engine(max_tree_budget=16, tree_top_k=4).profile_costs(tmp_path, repeats=1, max_seconds=0.5)
     assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 6  # another key: profiled again
+
+
+def test_the_engine_refuses_bad_requests_and_the_session_goes_on():
+    """DraftEngine checks what a request brings once, where it enters (the drafter's context and forward only assert
+    it): each refusal says what to fix and leaves the session as it was."""
+    engine = tiny_engine()
+    sid = open_with_context(engine, 8, seed=3)
+    layers, vocab = list(engine.config.target_layer_ids), TARGET.vocab_size
+    appends = [(FailedPrecondition, "gap", 10, [1]), (InvalidArgument, "start_position", -1, [1]),
+               (InvalidArgument, "out of range", 8, [vocab])]
+    for error, words, start, tokens in appends:
+        with pytest.raises(error, match=words):
+            engine.append(sid, start, tokens, layers, random_features(engine.config, len(tokens)))
+    with pytest.raises(InvalidArgument, match="expected"):
+        engine.append(sid, 8, [1, 2], layers, torch.zeros(2, len(layers), 7))
+    with pytest.raises(InvalidArgument, match="truncate length"):
+        engine.truncate(sid, 9)
+    proposals = [(dict(anchor_token=vocab), "out of range"), (dict(anchor_token=-1), "out of range"),
+                 (dict(temperature=math.nan), "temperature"), (dict(temperature=1e-30), "temperature"),
+                 (dict(temperature=-1.0), "temperature"), (dict(budget=-1), "budget must be >= 0"),
+                 (dict(kernel="cuda"), "kernel must be one of")]
+    for fields, words in proposals:
+        with pytest.raises(InvalidArgument, match=words):
+            engine.propose(sid, **{"anchor_token": 7, "anchor_position": 8, "proposer": "dspark", **fields})
+    assert engine.sessions.get(sid).length == 8
+    assert engine.propose(sid, 7, 8, proposer="dspark", kernel="torch").tokens[0] == 7
+    engine.close()
 
 
 def test_prompt_lookup_only_publishes_no_cost_table(tmp_path):
