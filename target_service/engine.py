@@ -183,7 +183,9 @@ class TargetEngine:
         if max_length < 0:
             raise InvalidArgument(f"max_length must be >= 0, got {max_length}")
         length = min(max_length, self.max_length) if max_length else self.max_length
-        cache = self.model.new_cache(max_length=length + self.limits.max_tree_nodes)
+        # zeros of a new cache fill in parallel: on the batcher's worker (runtime/batching.py), or this request
+        # thread gets an OpenMP team of its own and every later forward slows down
+        cache = self.batcher.call(lambda: self.model.new_cache(max_length=length + self.limits.max_tree_nodes))
         return self.sessions.create(TargetSession(cache, layers, length), owner)
 
     def release(self, session_id: str) -> None:
