@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import os, threading, torch
     from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
@@ -37,16 +39,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _new_threads(path, precision: str) -> str:
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(path=str(path), precision=precision)],
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_a_request_thread_makes_no_openmp_team(smollm2_path, precision):
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(path=str(smollm2_path), precision=precision)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip().splitlines()[-1]
-
-
-def test_a_request_thread_makes_no_openmp_team_exact(smollm2_path):
-    assert _new_threads(smollm2_path, "exact") == "NEW THREADS []"
-
-
-def test_a_request_thread_makes_no_openmp_team_fast(smollm2_path):
-    assert _new_threads(smollm2_path, "fast") == "NEW THREADS []"
+    assert out.stdout.strip().splitlines()[-1] == "NEW THREADS []"
