@@ -24,6 +24,7 @@ per-call guard evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import platform
@@ -62,6 +63,9 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     x = model.tok_embeddings(tokens)
     cos, sin = rope[0, positions], rope[1, positions]
     bias = torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
+    for t in (*ks, *vs):  # one slot count and one capacity for all: two sizes for the step's caller to pass, not 120
+        torch._check(t.shape[0] == ks[0].shape[0])
+        torch._check(t.shape[2] == ks[0].shape[2])
     hidden = []
     for i, layer in enumerate(model.layers):
         a = layer.attention
@@ -79,6 +83,27 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
         x = h + layer.feed_forward(layer.ffn_norm(h))
         hidden.append(x)
     return model.norm(x[logit_rows]), torch.stack(hidden, dim=1)
+
+
+def model_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor a model's modules hold: parameters, buffers, and tensor attributes (packed weights, int4
+    scales, in dataclasses too)."""
+    found: dict[int, torch.Tensor] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    for m in module.modules():
+        for value in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            visit(value)
+    return list(found.values())
 
 
 def can_compile(model: Transformer) -> str | None:
@@ -210,7 +235,11 @@ class CompiledStep:
             self.source = "loaded"
             return step
         assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
-        dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True})
+        for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
+            torch._dynamo.mark_static(t)
+        # size_asserts: the step's inputs have one fixed structure (as for its disabled guards)
+        dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
+                               options={"emulate_precision_casts": True, "size_asserts": False})
         with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
             step = dynamo.aot_compile((args, {}))
         if path is not None:
