@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,84 @@ for _env, _prefix in (("TORCHINDUCTOR_CACHE_DIR", "dspark-inductor-"), ("DSPARK_
 TEST_THREADS = os.environ.setdefault("DSPARK_TEST_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", TEST_THREADS)
 torch.set_num_threads(int(TEST_THREADS))
+
+# `make test` runs `pytest -n 2 --dist loadfile`: a worker takes a test file at a time, and a session fixture exists
+# once per worker. The files below use the live services of tests/service/conftest.py (`target_address`,
+# `draft_address`, `spec_target`) or HF's SmolLM2 (`hf_smollm2`, 40-60 s to load): spread over both workers, each
+# worker started those services and loaded that model, twice the work of once. They go to one worker as one unit
+# (`pytest_xdist_make_scheduler` below). A file that uses those fixtures and is missing here still passes (its worker
+# starts its own copies); collection warns about it.
+SHARED_SESSION_FILES = frozenset({
+    "tests/runtime/test_smollm2_vs_hf.py",
+    "tests/service/test_async_client.py",
+    "tests/service/test_bad_input.py",
+    "tests/service/test_cli_errors.py",
+    "tests/service/test_concurrency.py",
+    "tests/service/test_draft_service.py",
+    "tests/service/test_fail_closed.py",
+    "tests/service/test_generation.py",
+    "tests/service/test_grpcurl.py",
+    "tests/service/test_readme.py",
+    "tests/service/test_step_op.py",
+})
+SHARED_SESSION_FIXTURES = frozenset({"target_address", "draft_address", "spec_target", "spec_target_address", "client",
+                                     "raw", "hf_smollm2"})
+# The other files that take about a minute or more on a busy 2-core machine (services of their own, a compile,
+# sampling), slowest first. Workers take the shared unit and these before the quick files (longest first), so
+# neither worker ends on a long file while the other has nothing left to take. Only the order changes.
+SLOW_FILES = (
+    "tests/reliability/test_lifecycle.py",
+    "tests/service/test_embedded_drafter.py",
+    "tests/reliability/test_fuzz.py",
+    "tests/reliability/test_lifecycle_shutdown.py",
+    "tests/service/test_qwen35_service.py",
+    "tests/reliability/test_security.py",
+    "tests/runtime/test_compiled_step.py",
+    "tests/acceptance/test_lossless.py",
+    "tests/service/test_bench.py",
+    "tests/service/test_openmp_teams.py",
+    "tests/reliability/test_limits.py",
+    "tests/test_serving_pieces.py",
+    "tests/service/test_draft_batching.py",
+)
+SHARED_UNIT = "tests/conftest.py::SHARED_SESSION_FILES"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with the SHARED_SESSION_FILES as one unit of work, and the units ordered: the shared unit,
+    SLOW_FILES, then the rest by test count (xdist's order)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    rank = {unit: i for i, unit in enumerate((SHARED_UNIT, *SLOW_FILES))}
+
+    class SharedSessionScheduling(LoadFileScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_UNIT if scope in SHARED_SESSION_FILES else scope
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the queue is complete before the first unit is taken from its front
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))  # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    return SharedSessionScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = sorted({item.nodeid.split("::", 1)[0] for item in items
+                      if SHARED_SESSION_FIXTURES.intersection(item.fixturenames)} - SHARED_SESSION_FILES)
+    if missing:
+        warnings.warn(pytest.PytestWarning(f"tests/conftest.py: add {', '.join(missing)} to SHARED_SESSION_FILES "
+                                           "(it uses the shared session services; elsewhere its worker starts them "
+                                           "again)"), stacklevel=1)
+
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
 
