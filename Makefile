@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dspark demo
 
+# --dist loadfile: a test file per worker at a time, except that tests/conftest.py (pytest_xdist_make_scheduler) runs
+# the files sharing the session services as one unit and hands out the slow files first.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m dspark_grpc.protos.generate --check
