@@ -162,7 +162,7 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
                     compile: str = "off", progress: bool = False, compile_cache: Path | None = None) -> Transformer:
     """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
     bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
-    its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" (fast
+    its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" or "max" (fast
     precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here or
     loaded from `compile_cache` (where a compiled step is saved for the next start)."""
     if precision not in PRECISIONS:
@@ -178,7 +178,7 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     if compile != "off":
         try:
-            model.compiled = CompiledStep(model, compile_cache)
+            model.compiled = CompiledStep(model, compile_cache, compile)
         except ValueError as e:
             raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch._dynamo.config as dynamo_config
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .batch_invariant import BUCKET
@@ -45,7 +44,7 @@ from .slot_cache import SlotCache, SlotStore
 if TYPE_CHECKING:
     from .transformer import ForwardOutput, SequenceInput, Transformer
 
-COMPILE_MODES = ("off", "fast")
+COMPILE_MODES = ("off", "fast", "max")  # max: inductor's C++ wrapper (a longer compile, a faster step)
 WARMUP_ROWS = (2, 1)  # the graph is traced on the first (R = 1 would specialize it); the second checks R = 1
 
 
@@ -120,11 +119,11 @@ def can_compile(model: Transformer) -> str | None:
     return None
 
 
-def artifact_key(model: Transformer) -> str:
+def artifact_key(model: Transformer, mode: str = "fast") -> str:
     """What a compiled step depends on besides the weights' values: a saved step with another key is not used."""
     h = hashlib.sha256()
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-             repr(model.config), str(model.dtype)]
+             repr(model.config), str(model.dtype), mode]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     for part in parts:
         h.update(part.encode() + b"\0")
@@ -168,9 +167,10 @@ def save_step(step, path: Path) -> bool:
 
 class CompiledStep:
     """The model's step graph and the slot store every session's cache lives in. `cache_dir`: where compiled steps
-    are saved and looked up (None: compiled at every start)."""
+    are saved and looked up (None: compiled at every start). `mode` "max": the graph's Python wrapper (a call per
+    kernel) generated as C++ instead."""
 
-    def __init__(self, model: Transformer, cache_dir: Path | None = None) -> None:
+    def __init__(self, model: Transformer, cache_dir: Path | None = None, mode: str = "fast") -> None:
         reason = can_compile(model)
         if reason is not None:
             raise ValueError(reason)
@@ -178,7 +178,8 @@ class CompiledStep:
 
         fx_config.use_duck_shape = False  # R, C, slots and capacity are unrelated sizes: no equality guards
         fx_config.backed_size_oblivious = True  # R = 1 too: one graph for AR steps and verifies
-        self.model, self.cache_dir = model, cache_dir
+        assert mode in COMPILE_MODES[1:], mode
+        self.model, self.cache_dir, self.mode = model, cache_dir, mode
         self.store = SlotStore(model.config, model.dtype, model.device)
         positions = torch.arange(model.config.max_position_embeddings, device=model.device)
         self.rope = torch.stack(rope_cos_sin(positions, model.inv_freq, model.attention_scaling, model.dtype))
@@ -192,7 +193,7 @@ class CompiledStep:
 
     @functools.cached_property
     def path(self) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / f"step-{artifact_key(self.model)}.bin"
+        return None if self.cache_dir is None else self.cache_dir / f"step-{artifact_key(self.model, self.mode)}.bin"
 
     @property
     def saved(self) -> bool:
@@ -237,9 +238,12 @@ class CompiledStep:
         assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
         for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
             torch._dynamo.mark_static(t)
+        import torch._dynamo.config as dynamo_config  # (here: importing dynamo takes a second of every start)
+
         # size_asserts: the step's inputs have one fixed structure (as for its disabled guards)
         dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
-                               options={"emulate_precision_casts": True, "size_asserts": False})
+                               options={"emulate_precision_casts": True, "size_asserts": False,
+                                        "cpp_wrapper": self.mode == "max"})
         with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
             step = dynamo.aot_compile((args, {}))
         if path is not None:

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per size and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", default="off", help="off, or fast: also time the fast precision's compiled step "
+    p.add_argument("--compile", default="off", help="off, fast or max: also time the fast precision's compiled step "
                    "(compiled first, progress shown) and check its verify rows against its AR steps")
     p.add_argument("--compile-cache", type=Path, default=default_compile_cache(),
                    help="where the compiled step is saved and looked up (as the target's --compile-cache)")

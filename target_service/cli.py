@@ -10,6 +10,7 @@ from pathlib import Path
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.compiled_step import COMPILE_MODES
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
@@ -33,11 +34,11 @@ def parser() -> argparse.ArgumentParser:
                    help="exact: float32 (or --dtype), matches HF transformers token for token; fast: a GGUF's "
                         "Q4_0/Q4_1 matrices as int4 matmuls, everything else bf16 (--dtype ignored); greedy "
                         "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
-    s.add_argument("--compile", choices=("off", "fast"), default="off",
+    s.add_argument("--compile", choices=COMPILE_MODES, default="off",
                    help="fast (with --precision fast): AR steps and verifies run as one compiled graph "
                         "(torch.compile; compiled at start-up with progress shown and saved in --compile-cache, so "
-                        "a restart loads it in seconds); greedy speculation still equals greedy AR of the same "
-                        "setting")
+                        "a restart loads it in seconds); max: the same graph with a C++ wrapper (a faster step, a "
+                        "longer first compile); greedy speculation still equals greedy AR of the same setting")
     s.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="where compiled steps are saved and looked up; default $DSPARK_COMPILE_CACHE, else "
                         "~/.cache/dspark-grpc/compiled")

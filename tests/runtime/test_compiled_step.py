@@ -129,6 +129,8 @@ def test_a_saved_step_is_used_only_by_the_model_it_was_traced_for(models, tiny_h
     _, compiled = models
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen3"])) == artifact_key(compiled)
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen2"])) != artifact_key(compiled)  # q/k bias, no norms
+    assert artifact_key(compiled, "max") != artifact_key(compiled, "fast")  # another wrapper: another artifact
+    assert CompiledStep(compiled, tmp_path, "max").path != compiled.compiled.path
     garbage = tmp_path / "step.bin"
     garbage.write_bytes(b"not a compiled step")
     assert load_step(garbage) is None and load_step(tmp_path / "missing.bin") is None  # compiled again, no failure
