@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
@@ -120,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.compiled_step import default_compile_cache
         from dspark_grpc.speculation.cost_table import default_cache_dir
 
+        compile_cache = args.compile_cache or default_compile_cache()
+        if args.compile != "off":  # inductor's own cache beside the saved steps: a restart elsewhere needs both
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                   precision=args.precision, compile=args.compile,
-                                   compile_cache=args.compile_cache or default_compile_cache())
+                                   precision=args.precision, compile=args.compile, compile_cache=compile_cache)
         if not args.no_cost_profile:
             from dspark_grpc.runtime.cost_profile import target_cost_tables
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
