@@ -134,7 +134,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
     and stopped at the end. `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client ->
     target and, for a target started here, target -> drafter. `baselines` ("llama-cpp")
-    run after the modes, with the services stopped, as child processes of this one. At concurrency > 1 the modes
+    run before the services start and again after they stop, as child processes of this one (the machine's drift
+    during the modes then hits the baseline about alike; its figures sum both runs). At concurrency > 1 the modes
     run one after the other, `repeat` times in turn (a drift of the machine's speed then hits every mode alike); a
     mode's figures sum its repeats.
     """
@@ -147,6 +148,10 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     sessions = str(max(16, 2 * max(concurrency)))
     profile = [] if cost_profile else ["--no-cost-profile"]  # for the services started here
     started = []
+    baseline_before = {}
+    for name in baselines:
+        log(f"[bench] baseline {name} (before the modes): {len(prompts)} prompts")
+        baseline_before[name] = BASELINES[name](prompts, max_new_tokens, ignore_eos, target_model)
     with ExitStack() as stack:
         if target is not None and drafter is not None:
             raise ValueError("--drafter is the draft service a started target uses; a running target (--target) "
@@ -221,8 +226,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     if baselines:
         result["baselines"] = {}
     for name in baselines:
-        log(f"[bench] baseline {name}: {len(prompts)} prompts")
-        base = BASELINES[name](prompts, max_new_tokens, ignore_eos, target_model)
+        log(f"[bench] baseline {name} (after the modes): {len(prompts)} prompts")
+        base = bracketed(baseline_before[name], BASELINES[name](prompts, max_new_tokens, ignore_eos, target_model))
         if "ar" in results:  # how many prompts gave exactly our AR output (a quantized engine may differ)
             ours = results["ar"][str(concurrency[0])]["outputs"]
             base["same_as_ar"] = sum(a == b for a, b in zip(base["outputs"], ours, strict=True))
@@ -230,6 +235,14 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         log(f"[bench] baseline {name}: {base['generated_tokens']} tokens in {base['wall_s']:.2f} s, "
             f"{base['tokens_per_s']:.1f} tok/s")
     return result
+
+
+def bracketed(before: dict, after: dict) -> dict:
+    """A baseline run before and after the modes as one entry: tokens and seconds summed, each run's tok/s kept."""
+    tokens, wall = before["generated_tokens"] + after["generated_tokens"], before["wall_s"] + after["wall_s"]
+    return {**after, "generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "runs_tokens_per_s": [before["tokens_per_s"], after["tokens_per_s"]],
+            "same_in_both_runs": before["outputs"] == after["outputs"]}
 
 
 def llama_cpp_baseline(prompts: list[dict], max_new_tokens: int, ignore_eos: bool,

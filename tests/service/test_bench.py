@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dspark_grpc.client.bench import format_table, load_prompts, per_position_acceptance
+from dspark_grpc.client.bench import bracketed, format_table, load_prompts, per_position_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "docs" / "prompts" / "smoke.jsonl"
@@ -140,6 +140,16 @@ def test_format_table_has_a_reference_line_per_baseline():
               "baselines": {"llama-cpp": base}}
     assert format_table(result).splitlines()[-1].split() == ["llama-cpp", "(AR)", "1", "50.0", "2.50", "1.00",
                                                              "3.00", "1/2", "same"]
+
+
+def test_a_baseline_run_before_and_after_the_modes_counts_as_one():
+    before = {"tokens_per_s": 40.0, "generated_tokens": 8, "wall_s": 0.2, "outputs": [[1, 2]]}
+    after = {"tokens_per_s": 80.0, "generated_tokens": 8, "wall_s": 0.1, "outputs": [[1, 2]], "threads": 2}
+    both = bracketed(before, after)
+    assert both["generated_tokens"] == 16 and both["wall_s"] == pytest.approx(0.3)
+    assert both["tokens_per_s"] == pytest.approx(16 / 0.3)  # not the mean of 40 and 80: seconds weigh
+    assert both["runs_tokens_per_s"] == [40.0, 80.0] and both["same_in_both_runs"] and both["threads"] == 2
+    assert not bracketed(before, {**after, "outputs": [[1, 3]]})["same_in_both_runs"]
 
 
 def test_bench_refuses_an_uninstalled_baseline_before_running(tmp_path):
