@@ -4,7 +4,9 @@ A step is R rows of any number of sequences, each sequence in its own slot of a 
 Per layer the graph writes the rows' K/V into their slots by index and runs attention with every row as its own
 batch element: the row's query against its slot's first C keys, masked by its mask row. So a row computes the
 same thing whatever the other rows are, and C only adds masked keys. One graph serves every shape (dynamic R and C,
-R = 1 not specialized): AR steps and verifies run the same code. Batch invariance (a verify row equals its
+R = 1 not specialized): AR steps and verifies run the same code. Its only sizes are R, C, the logit rows and the
+store's slot count and capacity: the model's tensors are marked static and every layer's buffer is tied to the first
+layer's (each size is a graph argument, read in Python at every call). Batch invariance (a verify row equals its
 1-row AR step bitwise) then rests on the kernels and on the inductor rounding every bf16 intermediate as eager does
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
 differently). Attention is two float32 matmuls and a softmax, not SDPA: with the CPU flash kernel a row of a 5-row
