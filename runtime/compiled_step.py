@@ -238,10 +238,10 @@ class CompiledStep:
             self.source = "loaded"
             return step
         assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
-        for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
-            torch._dynamo.mark_static(t)
         import torch._dynamo.config as dynamo_config  # (here: importing dynamo takes a second of every start)
 
+        for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
+            torch._dynamo.mark_static(t)
         # size_asserts: the step's inputs have one fixed structure (as for its disabled guards)
         dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
                                options={"emulate_precision_casts": True, "size_asserts": False,
