@@ -15,9 +15,11 @@ the FFN norm, and, when there are more linear value heads than key heads, the va
 by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, the conv's V rows and ssm_out's
 columns): we undo that reordering.
 
-Precision: "exact" (the default) dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 matrices
-as their raw blocks (Checkpoint.blocks; their entry in `weights` is a meta tensor of the right shape) for
-runtime/quant.py's int4 matmuls; every other tensor is still dequantized here (the model casts it to bf16).
+Precision: "exact" (the default) dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
+runtime/gguf_matmul.py's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
+`weights` is a meta tensor of the right shape) for runtime/quant.py's matmuls, and a tied embedding's blocks for
+the lm_head (it is also dequantized, for the lookup); every other tensor is dequantized here (the model casts it
+to bf16).
 
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
@@ -41,7 +43,7 @@ import torch
 from .compiled_step import COMPILE_MODES, CompiledStep
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
-from .quant import QuantBlocks, blocks_of
+from .quant import QuantBlocks, block_types, blocks_of
 from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
 from .transformer import Transformer
 
@@ -127,7 +129,8 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]  # our names, float32 (meta for the matrices in `blocks`)
     gguf_metadata: dict[str, Any] | None = None
     hf_dir: Path | None = None
-    blocks: dict[str, QuantBlocks] = field(default_factory=dict)  # precision "fast": Q4_0/Q4_1 matrices as stored
+    blocks: dict[str, QuantBlocks] = field(default_factory=dict)  # precision "fast": Q4/Q8 matrices as stored
+    head_blocks: QuantBlocks | None = None  # precision "fast": the tied embedding's blocks, for the lm_head
 
 
 def default_model_path() -> Path:
@@ -216,6 +219,8 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
         raise ValueError("precision fast covers llama/qwen2/qwen3 models; run qwen35 with precision exact")
     weights: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantBlocks] = {}
+    head_blocks = None
+    kept_types = block_types() if keep_blocks else ()
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # llama3 rope scaling as llama.cpp writes it
             factors = tuple(dequantize_tensor(tensor).tolist())
@@ -223,7 +228,11 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
             continue
         layer_map = _QWEN35_GGUF_LAYER if config.architecture == "qwen35" else _GGUF_LAYER
         ours = _rename(tensor.name, _GGUF_GLOBAL, layer_map, _GGUF_LAYER_RE)
-        b = blocks_of(tensor) if keep_blocks and ours != "tok_embeddings.weight" else None
+        if ours == "tok_embeddings.weight":  # looked up as float; as the tied head, multiplied as stored
+            head_blocks = blocks_of(tensor, kept_types) if config.tie_word_embeddings else None
+            b = None
+        else:
+            b = blocks_of(tensor, kept_types)
         w = b.data if b is not None else dequantize_tensor(tensor)
         if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
             w = _unpermute_rows(w, config.num_heads if ".wq." in ours else config.num_kv_heads)
@@ -238,9 +247,9 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
     if config.rope_freq_factors is not None and len(config.rope_freq_factors) != config.head_dim // 2:
         raise ValueError(f"rope_freqs has {len(config.rope_freq_factors)} entries, expected {config.head_dim // 2}")
     _check_names(config, weights)
-    kept = f", kept {len(blocks)} Q4_0/Q4_1 matrices as blocks" if blocks else ""
+    kept = f", kept {len(blocks) + (head_blocks is not None)} matrices as blocks" if blocks else ""
     _log(progress, f"dequantized {len(weights) - len(blocks)} tensors to float32{kept}", t0)
-    return Checkpoint(config, weights, gguf_metadata=metadata, blocks=blocks)
+    return Checkpoint(config, weights, gguf_metadata=metadata, blocks=blocks, head_blocks=head_blocks)
 
 
 def _load_hf(path: Path, progress: bool) -> Checkpoint:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import Int4Weight, QuantBlocks
+from .quant import BlockWeight, Int4Weight, QuantBlocks, quantized_weight
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 3
@@ -59,7 +59,7 @@ class FusedProjection:
     packed: torch.Tensor | None
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
-    int4: Int4Weight | None = None  # instead of packed, when every layer came as GGUF int4 blocks
+    quantized: BlockWeight | Int4Weight | None = None  # instead of packed, when every layer came as GGUF blocks
 
     @classmethod
     def of(cls, layers: Sequence[nn.Linear]) -> FusedProjection | None:
@@ -68,7 +68,7 @@ class FusedProjection:
             if any(b is None for b in blocks):
                 return None
             return cls(None, None, tuple(layer.out_features for layer in layers),
-                       Int4Weight.of(blocks, layers[0].weight.dtype, _fused_bias(layers)))
+                       quantized_weight(blocks, layers[0].weight.dtype, _fused_bias(layers)))
         weight = torch.cat([layer.weight.detach() for layer in layers])
         packed = pack_weight(weight)
         if packed is None or any(layer.weight.requires_grad for layer in layers):
@@ -76,7 +76,8 @@ class FusedProjection:
         return cls(packed, _fused_bias(layers), tuple(layer.out_features for layer in layers))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = self.int4(x) if self.int4 is not None else packed_matmul(x, self.packed, self.bias, sum(self.sizes))
+        y = self.quantized(x) if self.quantized is not None else packed_matmul(x, self.packed, self.bias,
+                                                                                sum(self.sizes))
         return y.split(self.sizes, dim=-1)
 
 
@@ -91,27 +92,31 @@ def _fused_bias(layers: Sequence[nn.Linear]) -> torch.Tensor | None:
 class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
 
-    A Linear given a GGUF's Q4_0/Q4_1 `blocks` (runtime/quant.py; its weight is then a meta tensor) runs as an
-    int4 group-32 matmul, packed on first use (most run only inside a fused projection)."""
+    A Linear given a GGUF's `blocks` (runtime/quant.py; its weight is then a meta tensor) runs on them
+    (`quantized_weight`), set up on first use (most run only inside a fused projection)."""
 
     packed: torch.Tensor | None = None
     blocks: QuantBlocks | None = None
-    int4: Int4Weight | None = None
+    quantized: BlockWeight | Int4Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
-            if self.int4 is None:
-                self.int4 = Int4Weight.of([self.blocks], self.weight.dtype, self.bias)
-            return self.int4(x)
+            if self.quantized is None:
+                self.quantized = quantized_weight([self.blocks], self.weight.dtype, self.bias)
+            return self.quantized(x)
         return linear(x, self.weight, self.bias, self.packed)
 
 
 def matmul_kind(model: nn.Module) -> str:
-    """"int4-g32" when its Linears hold GGUF int4 blocks, "onednn-packed" when `pack_linears` packed the model, else
-    "aten" (cost tables are keyed by it, so a table profiled on one kind is never reused for another)."""
+    """"gguf-blocks" when its Linears run on GGUF blocks with runtime/gguf_matmul.py, "int4-g32" with torch's int4
+    kernel, "onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it, so a
+    table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.blocks is not None for m in linears):
-        return "int4-g32" + ("-compiled" if getattr(model, "compiled", None) is not None else "")
+        from . import gguf_matmul
+
+        kind = "gguf-blocks" if gguf_matmul.available() else "int4-g32"
+        return kind + ("-compiled" if getattr(model, "compiled", None) is not None else "")
     return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
+BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/gguf_matmul.py multiplies as stored
 GROUP = 32
 
 
@@ -44,10 +45,10 @@ class QuantBlocks:
         return QuantBlocks(self.qtype, data, self.shape)
 
 
-def blocks_of(tensor: GGUFTensor) -> QuantBlocks | None:
-    """A Q4_0/Q4_1 2-D tensor's blocks (in torch order: [out, bytes per row]); None for any other tensor."""
+def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = INT4_TYPES) -> QuantBlocks | None:
+    """A 2-D tensor's blocks (in torch order: [out, bytes per row]) if its type is one of `types`, else None."""
     qtype = Q(tensor.tensor_type)
-    if qtype not in INT4_TYPES or len(tensor.shape) != 2:
+    if qtype not in types or len(tensor.shape) != 2:
         return None
     inp, out = (int(n) for n in tensor.shape)  # GGUF's ne order
     data = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(out, -1)
@@ -108,6 +109,92 @@ class Int4Weight:
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
+
+
+ROWS = 16  # output rows interleaved by BlockWeight (runtime/gguf_matmul.cpp)
+
+
+def q8_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix's d float32 [out, in / 32] and codes int8 [out, in / 32, 32] (w = d * q)."""
+    out, inp = blocks.shape
+    b = blocks.data.view(out, inp // GROUP, -1)
+    return b[..., 0:2].contiguous().view(torch.float16).float()[..., 0], b[..., 2:].contiguous().view(torch.int8)
+
+
+def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The layout runtime/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4) or
+    512 (Q8)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0). out % 16 == 0."""
+    out, inp = blocks.shape
+    nb, groups = inp // GROUP, out // ROWS
+    assert out % ROWS == 0, blocks.shape
+    if blocks.qtype == Q.Q8_0:
+        d, q = q8_fields(blocks)
+        codes = q.view(groups, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).view(torch.uint8)
+        m = None
+    else:
+        d, m, q = block_fields(blocks)  # element e = 8 i + 4 half + k: chunk i, low (half 0) or high nibble
+        q = q.view(groups, ROWS, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        codes = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, nb, -1)
+        m = m if m is not None else -8 * d
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # exact: d and m are float16 in the file (-8d too)
+        return t.view(groups, ROWS, nb).transpose(1, 2).contiguous().to(torch.float16)
+
+    return codes.contiguous(), by_group(d), None if m is None else by_group(m)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/gguf_matmul.py's kernel
+    (int8 activations per block of 32, as llama.cpp does)."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    qtype: gguf.GGMLQuantizationType
+    bias: torch.Tensor | None
+    out_features: int
+
+    @classmethod
+    def of(cls, parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bfloat16,
+           bias: torch.Tensor | None = None) -> BlockWeight:
+        """Several matrices of one type with the same input size stacked along out (a fused q/k/v or gate/up);
+        rows are padded with zero blocks to a multiple of 16."""
+        qtype, inp = parts[0].qtype, parts[0].shape[1]
+        assert all(p.qtype == qtype and p.shape[1] == inp for p in parts), parts
+        data = torch.cat([p.data for p in parts])
+        out = data.shape[0]
+        pad = -out % ROWS
+        if pad:
+            data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
+        codes, d, m = interleave_rows(QuantBlocks(qtype, data, (out + pad, inp)))
+        if bias is not None:
+            bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)])
+        return cls(codes, d, m, qtype, bias, out)
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        from .gguf_matmul import gguf_matmul
+
+        y = gguf_matmul(x, self.codes, self.d, self.m, int(self.qtype), self.bias, out_dtype or x.dtype)
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+
+
+def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bfloat16,
+                     bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight:
+    """The fast precision's matmul for these blocks: the GGUF block kernel where it builds on this machine, else
+    torch's int4 kernel (Q4_0/Q4_1 only)."""
+    from . import gguf_matmul
+
+    if gguf_matmul.available():
+        return BlockWeight.of(parts, dtype, bias)
+    return Int4Weight.of(parts, dtype, bias)
+
+
+def block_types() -> tuple[gguf.GGMLQuantizationType, ...]:
+    """The GGUF types the fast precision keeps as blocks on this machine."""
+    from . import gguf_matmul
+
+    return BLOCK_TYPES if gguf_matmul.available() else INT4_TYPES
 
 
 def int4_available() -> bool:

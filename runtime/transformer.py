@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
 from .linear_attention import GatedDeltaNet, parents_from_mask
+from .quant import BlockWeight, QuantBlocks
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 if TYPE_CHECKING:
@@ -226,6 +227,8 @@ class Transformer(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.packed_lm_head: torch.Tensor | None = None
+        self.head_blocks: QuantBlocks | None = None  # a tied embedding as the file stores it (fast precision)
+        self.quantized_lm_head: BlockWeight | None = None
         # Verify rows and AR steps attend row by row, so that a verify row equals its 1-row step bitwise
         # (runtime/batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
         self.batch_invariant = False
@@ -247,8 +250,9 @@ class Transformer(nn.Module):
             model = cls(ckpt.config)
         weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
         model.load_state_dict(weights, strict=True, assign=True)
-        for name, blocks in ckpt.blocks.items():  # int4 matmuls once packed (runtime/linear.py)
+        for name, blocks in ckpt.blocks.items():  # quantized matmuls once packed (runtime/linear.py)
             model.get_submodule(name.removesuffix(".weight")).blocks = blocks
+        model.head_blocks = ckpt.head_blocks
         model.init_rope()
         return model.eval().requires_grad_(False)
 
@@ -271,12 +275,17 @@ class Transformer(nn.Module):
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(x)
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(x, out_dtype=torch.float32)
         return linear(x, self.tok_embeddings.weight, packed=self.packed_lm_head)
 
     def pack(self) -> Transformer:
         """Pre-pack the projections and the (tied) lm_head for CPU inference (runtime/linear.py); frozen models only."""
         pack_linears(self)
-        self.packed_lm_head = pack_weight(self.tok_embeddings.weight) if self.output is None else None
+        if self.output is None and self.head_blocks is not None:
+            self.quantized_lm_head = BlockWeight.of([self.head_blocks])
+        else:
+            self.packed_lm_head = pack_weight(self.tok_embeddings.weight) if self.output is None else None
         return self
 
     @torch.no_grad()

@@ -12,7 +12,8 @@ from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.linear import pack_weight, packed_matmul
-from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, int4_available
+from dspark_grpc.runtime import gguf_matmul
+from dspark_grpc.runtime.quant import BLOCK_TYPES, INT4_TYPES, BlockWeight, Int4Weight, QuantBlocks, int4_available
 from dspark_grpc.runtime.transformer import Transformer
 from dspark_grpc.runtime.tree import ancestor_mask
 from runtime_helpers import random_tokens
@@ -41,6 +42,23 @@ def test_int4_matmul_rows_are_batch_invariant(qtype, shape):
     weight = Int4Weight.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
                            bias=torch.randn(shape[0], generator=g))
     assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("shape", [(192, 576), (960, 576), (3072, 576), (576, 1536)])
+def test_gguf_block_matmul_rows_are_batch_invariant(qtype, shape):
+    g = torch.Generator().manual_seed(shape[0])
+    weight = BlockWeight.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
+                            bias=torch.randn(shape[0], generator=g))
+    assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
+def test_q8_head_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(0)
+    head = BlockWeight.of([quantized(torch.randn(8192, 576, generator=g) * 0.05, Q.Q8_0)])
+    assert_rows_invariant(lambda x: head(x, out_dtype=torch.float32), torch.randn(max(ROWS), 576).bfloat16())
 
 
 def test_bf16_packed_head_rows_are_batch_invariant():

@@ -79,10 +79,16 @@ def test_compiled_step_computes_the_eager_fast_model(models):
         prefill(model, cache, prompt)
         logits, captures = verify_tree(model, cache, tokens[:6], list(range(-1, 5)), capture_layers=(0,))
         got.append((logits, captures))
-    # attention in float32 here, bf16 SDPA there: bf16-sized differences only
-    torch.testing.assert_close(got[1][0], got[0][0], atol=0.2, rtol=0)
-    torch.testing.assert_close(got[1][1].float(), got[0][1].float(), atol=0.2, rtol=0.05)
-    assert torch.equal(got[1][0].argmax(-1), got[0][0].argmax(-1))
+    # attention in float32 here, bf16 SDPA there: differences of bf16 rounding, which flip codes of the int8
+    # activations of runtime/gguf_matmul.py (a step of 1/127 of a block's largest value; with torch's int4 kernel
+    # and bf16 activations the largest difference here is ~1 % of the largest logit, with int8 activations ~6 %)
+    for got_t, eager_t in ((got[1][0], got[0][0]), (got[1][1].float(), got[0][1].float())):
+        torch.testing.assert_close(got_t, eager_t, atol=0.1 * eager_t.abs().max().item(), rtol=0)
+    # the compiled argmax is eager's argmax or a near-tie of it (random tiny models have many)
+    eager_best = got[0][0].max(-1).values
+    picked = got[0][0].gather(-1, got[1][0].argmax(-1, keepdim=True))[:, 0]
+    assert torch.all(picked >= eager_best - 0.1 * got[0][0].abs().max()), (picked, eager_best)
+    assert (got[1][0].argmax(-1) == got[0][0].argmax(-1)).sum() >= 4
 
 
 def test_the_bench_invariance_check_counts_no_differing_rows(models):

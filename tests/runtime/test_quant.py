@@ -9,6 +9,7 @@ import torch
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.cost_profile import target_key
 from dspark_grpc.runtime.linear import Linear, matmul_kind
+from dspark_grpc.runtime import gguf_matmul
 from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
@@ -54,7 +55,12 @@ def smollm2_checkpoints(smollm2_path):
 def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
     exact, fast = smollm2_checkpoints
     assert len(fast.blocks) == 210 and set(fast.blocks) < set(exact.weights)  # every matrix of the 30 layers
-    assert "tok_embeddings.weight" not in fast.blocks  # Q8_0 embeddings/tied head: dequantized, run in bf16
+    assert "tok_embeddings.weight" not in fast.blocks  # the Q8_0 embedding is looked up dequantized...
+    if gguf_matmul.available():  # ...and multiplied as stored by the tied head
+        assert fast.head_blocks.qtype == Q.Q8_0 and fast.head_blocks.shape == tuple(exact.weights[
+            "tok_embeddings.weight"].shape)
+    else:
+        assert fast.head_blocks is None
     for name, blocks in fast.blocks.items():
         assert fast.weights[name].is_meta and blocks.qtype == Q.Q4_1
         # the blocks (llama's Q/K rows un-permuted like the float32 weights) decode to exact's float32 weights
@@ -66,13 +72,16 @@ def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
 def test_fast_model_is_keyed_apart_in_cost_tables(smollm2_checkpoints):
     exact, fast = smollm2_checkpoints
     exact_model, fast_model = inference_model(exact, "exact"), inference_model(fast, "fast")
-    assert matmul_kind(fast_model) == "int4-g32" and matmul_kind(exact_model) == "onednn-packed"
+    kind = "gguf-blocks" if gguf_matmul.available() else "int4-g32"
+    assert matmul_kind(fast_model) == kind and matmul_kind(exact_model) == "onednn-packed"
     assert fast_model.dtype == torch.bfloat16 and fast_model.batch_invariant and not exact_model.batch_invariant
     int4 = [m for m in fast_model.modules() if isinstance(m, Linear) and m.blocks is not None]
-    assert len(int4) == 210 and fast_model.layers[0].attention.wo.int4 is not None  # unfused: packed at load
-    assert fast_model.layers[0].attention.qkv.int4 is not None and fast_model.layers[0].feed_forward.gate_up.int4
+    assert len(int4) == 210 and fast_model.layers[0].attention.wo.quantized is not None  # unfused: packed at load
+    assert fast_model.layers[0].attention.qkv.quantized is not None
+    assert fast_model.layers[0].feed_forward.gate_up.quantized is not None
+    assert (fast_model.quantized_lm_head is not None) == gguf_matmul.available()
     fast_key, exact_key = target_key(fast_model), target_key(exact_model)
-    assert (fast_key.matmul, fast_key.dtype) == ("int4-g32", "bfloat16") and fast_key != exact_key
+    assert (fast_key.matmul, fast_key.dtype) == (kind, "bfloat16") and fast_key != exact_key
 
 
 def test_precision_is_checked(smollm2_path):

@@ -1,0 +1,107 @@
+"""GGUF blocks multiplied as llama.cpp multiplies them: `torch.ops.dspark.gguf_matmul` (runtime/gguf_matmul.cpp).
+
+The weights stay in the file's Q4_0/Q4_1/Q8_0 blocks (0.56-1.06 bytes per weight, read once per step); each
+activation row is quantized to int8 per block of 32 and the block dots are exact integer sums. It is another
+precision than torch's int4 kernel (bf16 activations), within the fast precision's tolerance, and batch invariant
+by construction: every output is computed the same way whatever the other rows.
+
+The kernel is compiled once per machine with the system's g++ against torch's headers (AVX2, FMA, F16C) and kept
+beside the compiled step graphs; `available()` is False, with the reason in `unavailable_reason()`, when it cannot
+be built or loaded (no compiler, another CPU): callers then use torch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+# DSPARK_GGUF_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
+FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_GGUF_MARCH', 'native')}",
+         "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
+ROWS = 16  # output rows per group of the interleaved layout (runtime/quant.py: interleave_rows)
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction sets (the kernel is built for this CPU: -march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in info.splitlines() if line.startswith("flags")), "")
+
+
+def _library_path(cache_dir: Path) -> Path:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(FLAGS), _cpu_flags()):
+        h.update(part.encode())
+    return cache_dir / f"gguf_matmul-{h.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    lib_dirs = library_paths()
+    cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE),
+           *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
+           *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        print("[dspark] building the GGUF block matmul kernel (once per machine)...", file=sys.stderr, flush=True)
+        subprocess.run([*cmd, "-o", str(out)], check=True, capture_output=True, text=True)
+        os.replace(out, target)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (if needed) and load the kernel; the reason it is unavailable, or None."""
+    if os.environ.get("DSPARK_GGUF_KERNEL", "1") == "0":
+        return "turned off by DSPARK_GGUF_KERNEL=0"
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return "the kernel needs an x86 CPU with AVX2"
+    if hasattr(torch.ops.dspark, "gguf_matmul"):
+        return None
+    from .compiled_step import default_compile_cache
+
+    path = _library_path(default_compile_cache())
+    try:
+        if not path.exists():
+            _build(path)
+        torch.ops.load_library(str(path))
+        torch.library.register_fake("dspark::gguf_matmul")(_fake)
+    except subprocess.CalledProcessError as e:
+        return f"g++ failed: {e.stderr.strip()[-2000:]}"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def _fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
+          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0] * ROWS), dtype=out_dtype)
+
+
+def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in] (float32 or bf16) @ W^T for W as runtime/quant.py's `interleave_rows` lays it out; [..., out]
+    in `out_dtype` (default: x's dtype), out = 16 * codes.shape[0] (bias [out] float32 or None)."""
+    return torch.ops.dspark.gguf_matmul(x, codes, d, m, qtype, bias, out_dtype or x.dtype)

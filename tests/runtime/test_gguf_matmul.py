@@ -1,0 +1,91 @@
+"""The GGUF block kernel (runtime/gguf_matmul.cpp) against llama.cpp's arithmetic written out independently in
+float64: int8 activations per block of 32 (scale max|x| / 127, codes rounded half to even), exact integer block
+dots, scaled by d_w * d_x, plus Q4's m times the block's float sum of x."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from dspark_grpc.runtime import gguf_matmul
+from dspark_grpc.runtime.quant import BLOCK_TYPES, BlockWeight, Int4Weight, QuantBlocks, quantized_weight
+
+pytestmark = pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
+Q = gguf.GGMLQuantizationType
+
+
+def quantized(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantBlocks:
+    return QuantBlocks(qtype, torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype)), tuple(weight.shape))
+
+
+def llama_cpp_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
+    """float64 y [R, out]; the weights' d, m and codes decoded with the gguf package."""
+    out, inp = blocks.shape
+    nb = inp // 32
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), blocks.qtype)).reshape(out, nb, 32).double()
+    raw = blocks.data.view(out, nb, -1)
+    d = raw[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
+    if blocks.qtype == Q.Q4_1:
+        m = raw[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+    else:
+        m = torch.zeros_like(d) if blocks.qtype == Q.Q8_0 else -8 * d
+    q = torch.where(d[..., None] != 0, (w - m[..., None]) / d[..., None], 0).round()  # integer codes
+    xb = x.float().view(-1, nb, 32)
+    dx = xb.abs().amax(-1) / 127  # float32, as the kernel
+    inv = torch.where(dx > 0, 1 / dx, 0)
+    qx = torch.round(xb * inv[..., None]).double()  # half to even
+    dots = torch.einsum("rbe,obe->rob", qx, q)
+    return (dots * d[None] * dx.double()[:, None]).sum(-1) + (m[None] * xb.double().sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("shape", [(64, 96), (40, 64), (960, 576), (576, 1536)])  # odd block counts, padded rows
+def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
+    g = torch.Generator().manual_seed(shape[0] + int(qtype))
+    blocks = quantized(torch.randn(*shape, generator=g) * 0.05, qtype)
+    bias = torch.randn(shape[0], generator=g)
+    weight = BlockWeight.of([blocks], bias=bias)
+    x = torch.randn(7, shape[1], generator=g)
+    x[0, :32] = 0  # an all-zero block (scale 0)
+    expected = llama_cpp_reference(x, blocks) + bias.double()
+    got = weight(x, out_dtype=torch.float32).double()
+    assert got.shape == (7, shape[0])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    exact = x.double() @ torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double().reshape(
+        shape).T + bias.double()
+    assert not torch.allclose(got, exact, rtol=1e-6, atol=0)  # int8 activations: not the float matmul...
+    assert (got - exact).norm() < 0.05 * exact.norm()  # ...but close to it
+
+
+def test_fused_parts_and_bf16_rows():
+    g = torch.Generator().manual_seed(5)
+    parts = [quantized(torch.randn(n, 64, generator=g) * 0.05, Q.Q4_1) for n in (32, 16, 16)]
+    fused = BlockWeight.of(parts)
+    x = torch.randn(3, 2, 64, generator=g).bfloat16()  # leading dims kept, bf16 in and out
+    got = fused(x)
+    assert got.shape == (3, 2, 64) and got.dtype == torch.bfloat16
+    one_by_one = torch.cat([BlockWeight.of([p])(x) for p in parts], dim=-1)
+    assert torch.equal(got, one_by_one)
+
+
+def test_kernel_rejects_inconsistent_tensors():
+    blocks = quantized(torch.randn(32, 64) * 0.05, Q.Q4_1)
+    weight = BlockWeight.of([blocks])
+    with pytest.raises(RuntimeError, match="codes"):
+        weight(torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        weight(torch.randn(2, 64).double())
+
+
+def test_turned_off_it_leaves_torch_int4(monkeypatch):
+    blocks = [quantized(torch.randn(32, 64) * 0.05, Q.Q4_1)]
+    assert isinstance(quantized_weight(blocks), BlockWeight)
+    monkeypatch.setenv("DSPARK_GGUF_KERNEL", "0")
+    gguf_matmul._load.cache_clear()
+    try:
+        assert not gguf_matmul.available() and "DSPARK_GGUF_KERNEL" in gguf_matmul.unavailable_reason()
+        assert isinstance(quantized_weight(blocks), Int4Weight)
+    finally:
+        monkeypatch.delenv("DSPARK_GGUF_KERNEL")
+        gguf_matmul._load.cache_clear()
+    assert gguf_matmul.available()
