@@ -9,10 +9,8 @@ store's slot count and capacity: the model's tensors are marked static and every
 layer's (each size is a graph argument, read in Python at every call). Batch invariance (a verify row equals its
 1-row AR step bitwise) then rests on the kernels and on the inductor rounding every bf16 intermediate as eager does
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
-differently). Attention is float32 products summed by the graph's own loops (the gather of each row's keys fused into
-them) and a softmax, not SDPA (with the CPU flash kernel a row of a 5-row step at one position of a SmolLM2 run
-differed from its AR step; rows of 2-4 did not) nor batched matmuls (which copy the gathered keys and cost more than
-the loops at these sizes).
+differently). Attention is two float32 matmuls and a softmax, not SDPA: with the CPU flash kernel a row of a 5-row
+step at one position of a SmolLM2 run differed from its AR step (rows of 2-4 did not), with the matmuls none did.
 tests/runtime/test_compiled_step.py checks it for 1-row and wider steps, several C and tree masks.
 
 Prompt chunks do not come here: the per-row gather of keys suits a few rows, not hundreds; they run eagerly
@@ -79,10 +77,9 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
         q, k = (t * cos[:, None] + rotate_half(t) * sin[:, None] for t in (q, k))
         ks[i][slots, :, write_rows] = k
         vs[i][slots, :, write_rows] = v
-        keys, values = ks[i][slots, :, None, :C], vs[i][slots, :, None, :C]  # [R, KV, 1, C, D]
-        scores = (q.view(R, KV, H // KV, 1, D).float() * keys.float()).sum(-1) * D**-0.5  # [R, KV, H / KV, C]
-        p = torch.softmax(scores + bias, dim=-1)
-        o = (p[..., None] * values.float()).sum(-2).to(x.dtype)  # [R, KV, H / KV, D]
+        keys, values = ks[i][slots, :, :C], vs[i][slots, :, :C]  # [R, KV, C, D]
+        scores = torch.matmul(q.view(R, KV, H // KV, D).float(), keys.float().transpose(-1, -2)) * D**-0.5
+        o = torch.matmul(torch.softmax(scores + bias, dim=-1), values.float()).to(x.dtype)
         h = x + a.wo(o.reshape(R, H * D))
         x = h + layer.feed_forward(layer.ffn_norm(h))
         hidden.append(x)
@@ -131,9 +128,11 @@ def artifact_key(model: Transformer, mode: str = "fast") -> str:
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
+    if matmul == "BlockWeight":  # the kernel's signature (not its code: the graph calls it by name)
+        parts.append(str(torch.ops.dspark.gguf_matmul.default._schema))
     for part in parts:
         h.update(part.encode() + b"\0")
-    for source in sorted(Path(__file__).parent.glob("*.[pc][yp]*")):  # the model code the graph is traced from
+    for source in sorted(Path(__file__).parent.glob("*.py")):  # the model code the graph is traced from
         h.update(source.read_bytes())
     return h.hexdigest()[:20]
 

@@ -242,15 +242,15 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb, "gguf_matmul: bad d");
   TORCH_CHECK(!is_q4(qtype) || (m.has_value() && m->scalar_type() == at::kHalf && m->is_contiguous() &&
                                 m->numel() == N * nb), "gguf_matmul: bad m");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t R = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  const at::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
+  const int64_t R = x2.numel() / K;
+  at::DimVector out_shape(x.sizes());
   out_shape.back() = N;
-  at::Tensor y = at::empty({R, N}, x.options().dtype(out_dtype));
-  if (R == 0) return y.view(out_shape);
+  at::Tensor y = at::empty(out_shape, x.options().dtype(out_dtype));
+  if (R == 0) return y;
   at::Tensor bias_f;
   if (bias.has_value()) {
-    bias_f = bias->to(at::kFloat).contiguous();
+    bias_f = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_f.numel() == N, "gguf_matmul: bias of ", bias_f.numel(), " values for ", N, " outputs");
   }
   thread_local QuantizedRows quantized;
@@ -267,7 +267,7 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
     case Q4_1: matmul<Q4_1>(w, q, K, R, out); break;
     default: matmul<Q8_0>(w, q, K, R, out); break;
   }
-  return y.view(out_shape);
+  return y;
 }
 
 }  // namespace
