@@ -16,7 +16,7 @@ by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, th
 columns): we undo that reordering.
 
 Precision: "exact" (the default) dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
-runtime/gguf_matmul.py's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
+runtime/gguf_matmul.cpp's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
 `weights` is a meta tensor of the right shape) for runtime/quant.py's matmuls, and a tied embedding's blocks for
 the lm_head (it is also dequantized, for the lookup); every other tensor is dequantized here (the model casts it
 to bf16).

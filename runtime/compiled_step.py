@@ -9,8 +9,9 @@ store's slot count and capacity: the model's tensors are marked static and every
 layer's (each size is a graph argument, read in Python at every call). Batch invariance (a verify row equals its
 1-row AR step bitwise) then rests on the kernels and on the inductor rounding every bf16 intermediate as eager does
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
-differently). Attention is two float32 matmuls and a softmax, not SDPA: with the CPU flash kernel a row of a 5-row
-step at one position of a SmolLM2 run differed from its AR step (rows of 2-4 did not), with the matmuls none did.
+differently). Attention is runtime/row_attention.cpp's kernel (each row against its slot's keys, read in place) where
+runtime/cpu_kernels.py builds, else two float32 matmuls over the gathered keys and a softmax; not SDPA: with the CPU
+flash kernel a row of a 5-row step at one position of a SmolLM2 run differed from its AR step (rows of 2-4 did not).
 tests/runtime/test_compiled_step.py checks it for 1-row and wider steps, several C and tree masks.
 
 Prompt chunks do not come here: the per-row gather of keys suits a few rows, not hundreds; they run eagerly
@@ -40,6 +41,7 @@ import torch
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .batch_invariant import BUCKET
+from .quant import BlockWeight
 from .rope import rope_cos_sin, rotate_half
 from .slot_cache import SlotCache, SlotStore
 
@@ -63,7 +65,8 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
     x = model.tok_embeddings(tokens)
     cos, sin = rope[0, positions], rope[1, positions]
-    bias = torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
+    own_kernels = isinstance(model.layers[0].attention.qkv.quantized, BlockWeight)  # runtime/cpu_kernels.py built
+    bias = None if own_kernels else torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
     for t in (*ks, *vs):  # one slot count and one capacity for all: two sizes for the step's caller to pass, not 120
         torch._check(t.shape[0] == ks[0].shape[0])
         torch._check(t.shape[2] == ks[0].shape[2])
@@ -75,11 +78,14 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = (t * cos[:, None] + rotate_half(t) * sin[:, None] for t in (q, k))
-        ks[i][slots, :, write_rows] = k
-        vs[i][slots, :, write_rows] = v
-        keys, values = ks[i][slots, :, :C], vs[i][slots, :, :C]  # [R, KV, C, D]
-        scores = torch.matmul(q.view(R, KV, H // KV, D).float(), keys.float().transpose(-1, -2)) * D**-0.5
-        o = torch.matmul(torch.softmax(scores + bias, dim=-1), values.float()).to(x.dtype)
+        if own_kernels:  # writes the rows' K/V too
+            o = torch.ops.dspark.row_attention(q, k, v, ks[i], vs[i], slots, write_rows, mask)
+        else:
+            ks[i][slots, :, write_rows] = k
+            vs[i][slots, :, write_rows] = v
+            keys, values = ks[i][slots, :, :C], vs[i][slots, :, :C]  # [R, KV, C, D]
+            scores = torch.matmul(q.view(R, KV, H // KV, D).float(), keys.float().transpose(-1, -2)) * D**-0.5
+            o = torch.matmul(torch.softmax(scores + bias, dim=-1), values.float()).to(x.dtype)
         h = x + a.wo(o.reshape(R, H * D))
         x = h + layer.feed_forward(layer.ffn_norm(h))
         hidden.append(x)
@@ -128,8 +134,8 @@ def artifact_key(model: Transformer, mode: str = "fast") -> str:
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
-    if matmul == "BlockWeight":  # the kernel's signature (not its code: the graph calls it by name)
-        parts.append(str(torch.ops.dspark.gguf_matmul.default._schema))
+    if matmul == "BlockWeight":  # runtime/cpu_kernels.py's signatures (not their code: the graph calls them by name)
+        parts += [str(op.default._schema) for op in (torch.ops.dspark.gguf_matmul, torch.ops.dspark.row_attention)]
     for part in parts:
         h.update(part.encode() + b"\0")
     for source in sorted(Path(__file__).parent.glob("*.py")):  # the model code the graph is traced from

@@ -10,7 +10,7 @@
 // Every (row, output) is computed by the same instructions in the same order whatever the number of rows and
 // whichever thread or tile takes it: a row of an M-row call equals its 1-row call bitwise (batch invariance).
 // Two implementations, chosen when it is built for the CPU: AVX-512 VNNI and AVX2.
-// Built by runtime/gguf_matmul.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
+// Built by runtime/cpu_kernels.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -108,14 +108,14 @@ class Linear(nn.Linear):
 
 
 def matmul_kind(model: nn.Module) -> str:
-    """"gguf-blocks" when its Linears run on GGUF blocks with runtime/gguf_matmul.py, "int4-g32" with torch's int4
+    """"gguf-blocks" when its Linears run on GGUF blocks with runtime/gguf_matmul.cpp, "int4-g32" with torch's int4
     kernel, "onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it, so a
     table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.blocks is not None for m in linears):
-        from . import gguf_matmul
+        from . import cpu_kernels
 
-        kind = "gguf-blocks" if gguf_matmul.available() else "int4-g32"
+        kind = "gguf-blocks" if cpu_kernels.available() else "int4-g32"
         return kind + ("-compiled" if getattr(model, "compiled", None) is not None else "")
     return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
 

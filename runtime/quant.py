@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
-BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/gguf_matmul.py multiplies as stored
+BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/gguf_matmul.cpp multiplies as stored
 GROUP = 32
 
 
@@ -145,7 +145,7 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, to
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/gguf_matmul.py's kernel
+    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/gguf_matmul.cpp's kernel
     (int8 activations per block of 32, as llama.cpp does)."""
 
     codes: torch.Tensor
@@ -173,7 +173,7 @@ class BlockWeight:
         return cls(codes, d, m, qtype, bias, out)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        from .gguf_matmul import gguf_matmul
+        from .cpu_kernels import gguf_matmul
 
         y = gguf_matmul(x, self.codes, self.d, self.m, int(self.qtype), self.bias, out_dtype or x.dtype)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
@@ -183,18 +183,18 @@ def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bf
                      bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight:
     """The fast precision's matmul for these blocks: the GGUF block kernel where it builds on this machine, else
     torch's int4 kernel (Q4_0/Q4_1 only)."""
-    from . import gguf_matmul
+    from . import cpu_kernels
 
-    if gguf_matmul.available():
+    if cpu_kernels.available():
         return BlockWeight.of(parts, dtype, bias)
     return Int4Weight.of(parts, dtype, bias)
 
 
 def block_types() -> tuple[gguf.GGMLQuantizationType, ...]:
     """The GGUF types the fast precision keeps as blocks on this machine."""
-    from . import gguf_matmul
+    from . import cpu_kernels
 
-    return BLOCK_TYPES if gguf_matmul.available() else INT4_TYPES
+    return BLOCK_TYPES if cpu_kernels.available() else INT4_TYPES
 
 
 def int4_available() -> bool:

@@ -7,7 +7,7 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime import gguf_matmul
+from dspark_grpc.runtime import cpu_kernels
 from dspark_grpc.runtime.batch_invariant import attention_by_row, row_keys
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
@@ -44,7 +44,7 @@ def test_int4_matmul_rows_are_batch_invariant(qtype, shape):
     assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
 
 
-@pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 @pytest.mark.parametrize("shape", [(192, 576), (960, 576), (3072, 576), (576, 1536)])
 def test_gguf_block_matmul_rows_are_batch_invariant(qtype, shape):
@@ -54,7 +54,7 @@ def test_gguf_block_matmul_rows_are_batch_invariant(qtype, shape):
     assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
 
 
-@pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 def test_q8_head_rows_are_batch_invariant():
     g = torch.Generator().manual_seed(0)
     head = BlockWeight.of([quantized(torch.randn(8192, 576, generator=g) * 0.05, Q.Q8_0)])

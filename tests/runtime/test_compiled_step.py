@@ -80,7 +80,7 @@ def test_compiled_step_computes_the_eager_fast_model(models):
         logits, captures = verify_tree(model, cache, tokens[:6], list(range(-1, 5)), capture_layers=(0,))
         got.append((logits, captures))
     # attention in float32 here, bf16 SDPA there: differences of bf16 rounding, which flip codes of the int8
-    # activations of runtime/gguf_matmul.py (a step of 1/127 of a block's largest value; with torch's int4 kernel
+    # activations of runtime/gguf_matmul.cpp (a step of 1/127 of a block's largest value; with torch's int4 kernel
     # and bf16 activations the largest difference here is ~1 % of the largest logit, with int8 activations ~6 %)
     for got_t, eager_t in ((got[1][0], got[0][0]), (got[1][1].float(), got[0][1].float())):
         torch.testing.assert_close(got_t, eager_t, atol=0.1 * eager_t.abs().max().item(), rtol=0)

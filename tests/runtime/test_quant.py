@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from dspark_grpc.runtime import gguf_matmul
+from dspark_grpc.runtime import cpu_kernels
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.cost_profile import target_key
 from dspark_grpc.runtime.linear import Linear, matmul_kind
@@ -56,7 +56,7 @@ def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
     exact, fast = smollm2_checkpoints
     assert len(fast.blocks) == 210 and set(fast.blocks) < set(exact.weights)  # every matrix of the 30 layers
     assert "tok_embeddings.weight" not in fast.blocks  # the Q8_0 embedding is looked up dequantized...
-    if gguf_matmul.available():  # ...and multiplied as stored by the tied head
+    if cpu_kernels.available():  # ...and multiplied as stored by the tied head
         assert fast.head_blocks.qtype == Q.Q8_0 and fast.head_blocks.shape == tuple(exact.weights[
             "tok_embeddings.weight"].shape)
     else:
@@ -72,14 +72,14 @@ def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
 def test_fast_model_is_keyed_apart_in_cost_tables(smollm2_checkpoints):
     exact, fast = smollm2_checkpoints
     exact_model, fast_model = inference_model(exact, "exact"), inference_model(fast, "fast")
-    kind = "gguf-blocks" if gguf_matmul.available() else "int4-g32"
+    kind = "gguf-blocks" if cpu_kernels.available() else "int4-g32"
     assert matmul_kind(fast_model) == kind and matmul_kind(exact_model) == "onednn-packed"
     assert fast_model.dtype == torch.bfloat16 and fast_model.batch_invariant and not exact_model.batch_invariant
     int4 = [m for m in fast_model.modules() if isinstance(m, Linear) and m.blocks is not None]
     assert len(int4) == 210 and fast_model.layers[0].attention.wo.quantized is not None  # unfused: packed at load
     assert fast_model.layers[0].attention.qkv.quantized is not None
     assert fast_model.layers[0].feed_forward.gate_up.quantized is not None
-    assert (fast_model.quantized_lm_head is not None) == gguf_matmul.available()
+    assert (fast_model.quantized_lm_head is not None) == cpu_kernels.available()
     fast_key, exact_key = target_key(fast_model), target_key(exact_model)
     assert (fast_key.matmul, fast_key.dtype) == (kind, "bfloat16") and fast_key != exact_key
 

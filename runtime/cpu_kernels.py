@@ -1,13 +1,15 @@
-"""GGUF blocks multiplied as llama.cpp multiplies them: `torch.ops.dspark.gguf_matmul` (runtime/gguf_matmul.cpp).
+"""The fast precision's own CPU kernels, as torch ops (torch.ops.dspark.*):
 
-The weights stay in the file's Q4_0/Q4_1/Q8_0 blocks (0.56-1.06 bytes per weight, read once per step); each
-activation row is quantized to int8 per block of 32 and the block dots are exact integer sums. It is another
-precision than torch's int4 kernel (bf16 activations), within the fast precision's tolerance, and batch invariant
-by construction: every output is computed the same way whatever the other rows.
+- `gguf_matmul` (runtime/gguf_matmul.cpp): GGUF Q4_0/Q4_1/Q8_0 blocks multiplied as llama.cpp multiplies them.
+  The weights keep the file's bits (0.56-1.06 bytes per weight, read once per step); each activation row is
+  quantized to int8 per block of 32 and the block dots are exact integer sums. Another precision than torch's int4
+  kernel (bf16 activations), within the fast precision's tolerance.
+- `row_attention` (runtime/row_attention.cpp): the compiled step's attention, each row against its own slot's keys.
 
-The kernel is compiled once per machine with the system's g++ against torch's headers (AVX2, FMA, F16C) and kept
-beside the compiled step graphs; `available()` is False, with the reason in `unavailable_reason()`, when it cannot
-be built or loaded (no compiler, another CPU): callers then use torch's int4 kernel.
+Both compute every output row the same way whatever the other rows (batch invariance, by construction). They are
+compiled once per machine with the system's g++ against torch's headers and kept beside the compiled step graphs;
+`available()` is False, with the reason in `unavailable_reason()`, when they cannot be built or loaded (no compiler,
+another CPU, or DSPARK_CPU_KERNELS=0): the fast precision then uses torch's int4 kernel and attention matmuls.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_suffix(".cpp")
-# DSPARK_GGUF_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
-FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_GGUF_MARCH', 'native')}",
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_matmul.cpp", "row_attention.cpp"))
+# DSPARK_CPU_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
+FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_CPU_MARCH', 'native')}",
          "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
 ROWS = 16  # output rows per group of the interleaved layout (runtime/quant.py: interleave_rows)
 
@@ -41,10 +43,10 @@ def _cpu_flags() -> str:
 
 
 def _library_path(cache_dir: Path) -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     for part in (torch.__version__, sys.version, " ".join(FLAGS), _cpu_flags()):
         h.update(part.encode())
-    return cache_dir / f"gguf_matmul-{h.hexdigest()[:16]}.so"
+    return cache_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
@@ -52,13 +54,13 @@ def _build(target: Path) -> None:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dirs = library_paths()
-    cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", str(SOURCE),
+    cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(str(s) for s in SOURCES),
            *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
            *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        print("[dspark] building the GGUF block matmul kernel (once per machine)...", file=sys.stderr, flush=True)
+        print("[dspark] building the CPU kernels (once per machine)...", file=sys.stderr, flush=True)
         subprocess.run([*cmd, "-o", str(out)], check=True, capture_output=True, text=True)
         os.replace(out, target)
 
@@ -66,8 +68,8 @@ def _build(target: Path) -> None:
 @functools.cache
 def _load() -> str | None:
     """Build (if needed) and load the kernel; the reason it is unavailable, or None."""
-    if os.environ.get("DSPARK_GGUF_KERNEL", "1") == "0":
-        return "turned off by DSPARK_GGUF_KERNEL=0"
+    if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
+        return "turned off by DSPARK_CPU_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         return "the kernel needs an x86 CPU with AVX2"
     if hasattr(torch.ops.dspark, "gguf_matmul"):
@@ -79,7 +81,8 @@ def _load() -> str | None:
         if not path.exists():
             _build(path)
         torch.ops.load_library(str(path))
-        torch.library.register_fake("dspark::gguf_matmul")(_fake)
+        torch.library.register_fake("dspark::gguf_matmul")(_gguf_matmul_fake)
+        torch.library.register_fake("dspark::row_attention")(_row_attention_fake)
     except subprocess.CalledProcessError as e:
         return f"g++ failed: {e.stderr.strip()[-2000:]}"
     except OSError as e:
@@ -95,7 +98,7 @@ def available() -> bool:
     return _load() is None
 
 
-def _fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
+def _gguf_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
           bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0] * ROWS), dtype=out_dtype)
 
@@ -105,3 +108,17 @@ def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.
     """x [..., in] (float32 or bf16) @ W^T for W as runtime/quant.py's `interleave_rows` lays it out; [..., out]
     in `out_dtype` (default: x's dtype), out = 16 * codes.shape[0] (bias [out] float32 or None)."""
     return torch.ops.dspark.gguf_matmul(x, codes, d, m, qtype, bias, out_dtype or x.dtype)
+
+
+def _row_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
+                        v_store: torch.Tensor, slots: torch.Tensor, write_rows: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                  slots: torch.Tensor, write_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Writes k, v [R, KV, D] into one layer's K/V store [slots, KV, capacity, D] at (slots[r], write_rows[r]),
+    then attends: q [R, H, D] bf16 against each row's slot's first C rows, mask [R, C] bool. Returns [R, H, D] bf16
+    (runtime/row_attention.cpp)."""
+    return torch.ops.dspark.row_attention(q, k, v, k_store, v_store, slots, write_rows, mask)

@@ -4,14 +4,27 @@ dots, scaled by d_w * d_x, plus Q4's m times the block's float sum of x."""
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+
 import gguf
 import pytest
 import torch
-from dspark_grpc.runtime import gguf_matmul
+from dspark_grpc.runtime import cpu_kernels
 from dspark_grpc.runtime.quant import BLOCK_TYPES, BlockWeight, Int4Weight, QuantBlocks, quantized_weight
 
-pytestmark = pytest.mark.skipif(not gguf_matmul.available(), reason=f"{gguf_matmul.unavailable_reason()}")
 Q = gguf.GGMLQuantizationType
+
+
+def test_the_kernels_build_on_an_x86_machine_with_gcc():
+    """Not skipped: a build error would otherwise only show as skipped tests and a slower fallback."""
+    if platform.machine() != "x86_64" or shutil.which("g++") is None or os.environ.get("DSPARK_CPU_KERNELS") == "0":
+        pytest.skip("no x86 CPU or no g++: the fast precision uses torch's kernels")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
 
 def quantized(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantBlocks:
@@ -38,6 +51,7 @@ def llama_cpp_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
     return (dots * d[None] * dx.double()[:, None]).sum(-1) + (m[None] * xb.double().sum(-1)[:, None]).sum(-1)
 
 
+@needs_kernels
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 @pytest.mark.parametrize("shape", [(64, 96), (40, 64), (960, 576), (576, 1536)])  # odd block counts, padded rows
 def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
@@ -57,6 +71,7 @@ def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
     assert (got - exact).norm() < 0.05 * exact.norm()  # ...but close to it
 
 
+@needs_kernels
 def test_fused_parts_and_bf16_rows():
     g = torch.Generator().manual_seed(5)
     parts = [quantized(torch.randn(n, 64, generator=g) * 0.05, Q.Q4_1) for n in (32, 16, 16)]
@@ -68,6 +83,7 @@ def test_fused_parts_and_bf16_rows():
     assert torch.equal(got, one_by_one)
 
 
+@needs_kernels
 def test_kernel_rejects_inconsistent_tensors():
     blocks = quantized(torch.randn(32, 64) * 0.05, Q.Q4_1)
     weight = BlockWeight.of([blocks])
@@ -77,15 +93,49 @@ def test_kernel_rejects_inconsistent_tensors():
         weight(torch.randn(2, 64).double())
 
 
+@needs_kernels
 def test_turned_off_it_leaves_torch_int4(monkeypatch):
     blocks = [quantized(torch.randn(32, 64) * 0.05, Q.Q4_1)]
     assert isinstance(quantized_weight(blocks), BlockWeight)
-    monkeypatch.setenv("DSPARK_GGUF_KERNEL", "0")
-    gguf_matmul._load.cache_clear()
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    cpu_kernels._load.cache_clear()
     try:
-        assert not gguf_matmul.available() and "DSPARK_GGUF_KERNEL" in gguf_matmul.unavailable_reason()
+        assert not cpu_kernels.available() and "DSPARK_CPU_KERNELS" in cpu_kernels.unavailable_reason()
         assert isinstance(quantized_weight(blocks), Int4Weight)
     finally:
-        monkeypatch.delenv("DSPARK_GGUF_KERNEL")
-        gguf_matmul._load.cache_clear()
-    assert gguf_matmul.available()
+        monkeypatch.delenv("DSPARK_CPU_KERNELS")
+        cpu_kernels._load.cache_clear()
+    assert cpu_kernels.available()
+
+
+@needs_kernels
+def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot():
+    g = torch.Generator().manual_seed(7)
+    slots_count, KV, cap, D, H = 3, 2, 48, 64, 6
+    k_store = torch.randn(slots_count, KV, cap, D, generator=g).bfloat16()
+    v_store = torch.randn(slots_count, KV, cap, D, generator=g).bfloat16()
+    R, C = 5, 40
+    q = torch.randn(R, H, D, generator=g).bfloat16()
+    k, v = torch.randn(R, KV, D, generator=g).bfloat16(), torch.randn(R, KV, D, generator=g).bfloat16()
+    slots, write_rows = torch.tensor([2, 0, 0, 1, 2]), torch.tensor([30, 31, 32, 39, 31])
+    mask = torch.rand(R, C, generator=g) < 0.6
+    mask[:, 0] = True
+    mask[1, 32] = True  # row 1 sees row 2's new key (same slot): every row is written before any attends
+    expected_k, expected_v = k_store.clone(), v_store.clone()
+    expected_k[slots, :, write_rows], expected_v[slots, :, write_rows] = k, v
+    stores = k_store.clone(), v_store.clone()
+    got = cpu_kernels.row_attention(q, k, v, *stores, slots, write_rows, mask)
+    assert torch.equal(stores[0], expected_k) and torch.equal(stores[1], expected_v)
+    for r in range(R):  # float64 attention per row, per head, written out
+        for h in range(H):
+            keys = expected_k[slots[r], h // (H // KV), :C].double()
+            values = expected_v[slots[r], h // (H // KV), :C].double()
+            scores = keys @ q[r, h].double() / D**0.5
+            p = torch.softmax(scores.masked_fill(~mask[r], float("-inf")), dim=0)
+            torch.testing.assert_close(got[r, h].double(), p @ values, atol=1e-2, rtol=1e-2)
+    for r in range(R):  # each row alone (the others already written) computes the same bits
+        alone = cpu_kernels.row_attention(q[r : r + 1], k[r : r + 1], v[r : r + 1], *stores, slots[r : r + 1],
+                                          write_rows[r : r + 1], mask[r : r + 1])
+        assert torch.equal(alone, got[r : r + 1])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.row_attention(q[:1], k[:1], v[:1], *stores, torch.tensor([3]), write_rows[:1], mask[:1])
