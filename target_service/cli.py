@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.speculation.cost_table import default_cache_dir
 
         compile_cache = args.compile_cache or default_compile_cache()
+        os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # runtime/cpu_kernels.py's build too
         if args.compile != "off":  # inductor's own cache beside the saved steps: a restart elsewhere needs both
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
