@@ -14,6 +14,7 @@ another CPU, or DSPARK_CPU_KERNELS=0): the fast precision then uses torch's int4
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -30,11 +32,11 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_matmul.cpp", "
 # DSPARK_CPU_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_CPU_MARCH', 'native')}",
          "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
-ROWS = 16  # output rows per group of the interleaved layout (runtime/quant.py: interleave_rows)
+ROWS = 16  # gguf_matmul's output rows side by side (runtime/quant.py: interleave_rows lays the weights out)
 
 
 def _cpu_flags() -> str:
-    """The CPU's instruction sets (the kernel is built for this CPU: -march=native)."""
+    """The CPU's instruction sets (the kernels are built for this CPU: -march=native)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -57,7 +59,6 @@ def _build(target: Path) -> None:
     cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(str(s) for s in SOURCES),
            *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
            *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         print("[dspark] building the CPU kernels (once per machine)...", file=sys.stderr, flush=True)
@@ -65,21 +66,32 @@ def _build(target: Path) -> None:
         os.replace(out, target)
 
 
+_loading = threading.Lock()
+
+
 @functools.cache
 def _load() -> str | None:
-    """Build (if needed) and load the kernel; the reason it is unavailable, or None."""
+    """Build (if needed) and load the kernels; the reason they are unavailable, or None."""
+    with _loading:  # two threads' first calls: one loads, the other then finds the ops
+        return _load_once()
+
+
+def _load_once() -> str | None:
     if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
         return "turned off by DSPARK_CPU_KERNELS=0"
     if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        return "the kernel needs an x86 CPU with AVX2"
+        return "the kernels need an x86 CPU with AVX2"
     if hasattr(torch.ops.dspark, "gguf_matmul"):
         return None
     from .compiled_step import default_compile_cache
 
     path = _library_path(default_compile_cache())
     try:
-        if not path.exists():
-            _build(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:  # another process building it: wait for its library
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                _build(path)
         torch.ops.load_library(str(path))
         torch.library.register_fake("dspark::gguf_matmul")(_gguf_matmul_fake)
         torch.library.register_fake("dspark::row_attention")(_row_attention_fake)
@@ -99,7 +111,7 @@ def available() -> bool:
 
 
 def _gguf_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
-          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0] * ROWS), dtype=out_dtype)
 
 

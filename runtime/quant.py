@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import gguf
 import torch
 
+from . import cpu_kernels
+
 if TYPE_CHECKING:
     from .gguf_reader import GGUFTensor
 
@@ -111,9 +113,6 @@ class Int4Weight:
         return y.view(*lead, self.out_features)
 
 
-ROWS = 16  # output rows interleaved by BlockWeight (runtime/gguf_matmul.cpp)
-
-
 def q8_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 matrix's d float32 [out, in / 32] and codes int8 [out, in / 32, 32] (w = d * q)."""
     out, inp = blocks.shape
@@ -125,20 +124,21 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, to
     """The layout runtime/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4) or
     512 (Q8)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0). out % 16 == 0."""
     out, inp = blocks.shape
-    nb, groups = inp // GROUP, out // ROWS
-    assert out % ROWS == 0, blocks.shape
+    rows = cpu_kernels.ROWS
+    nb, groups = inp // GROUP, out // rows
+    assert out % rows == 0, blocks.shape
     if blocks.qtype == Q.Q8_0:
         d, q = q8_fields(blocks)
-        codes = q.view(groups, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).view(torch.uint8)
+        codes = q.view(groups, rows, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).view(torch.uint8)
         m = None
     else:
         d, m, q = block_fields(blocks)  # element e = 8 i + 4 half + k: chunk i, low (half 0) or high nibble
-        q = q.view(groups, ROWS, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        q = q.view(groups, rows, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
         codes = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, nb, -1)
         m = m if m is not None else -8 * d
 
     def by_group(t: torch.Tensor) -> torch.Tensor:  # exact: d and m are float16 in the file (-8d too)
-        return t.view(groups, ROWS, nb).transpose(1, 2).contiguous().to(torch.float16)
+        return t.view(groups, rows, nb).transpose(1, 2).contiguous().to(torch.float16)
 
     return codes.contiguous(), by_group(d), None if m is None else by_group(m)
 
@@ -159,12 +159,13 @@ class BlockWeight:
     def of(cls, parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bfloat16,
            bias: torch.Tensor | None = None) -> BlockWeight:
         """Several matrices of one type with the same input size stacked along out (a fused q/k/v or gate/up);
-        rows are padded with zero blocks to a multiple of 16."""
+        rows are padded with zero blocks to a multiple of 16. (`dtype`: as Int4Weight.of; any activation dtype
+        the kernel takes works here.)"""
         qtype, inp = parts[0].qtype, parts[0].shape[1]
         assert all(p.qtype == qtype and p.shape[1] == inp for p in parts), parts
         data = torch.cat([p.data for p in parts])
         out = data.shape[0]
-        pad = -out % ROWS
+        pad = -out % cpu_kernels.ROWS
         if pad:
             data = torch.cat([data, data.new_zeros(pad, data.shape[1])])
         codes, d, m = interleave_rows(QuantBlocks(qtype, data, (out + pad, inp)))
@@ -173,9 +174,7 @@ class BlockWeight:
         return cls(codes, d, m, qtype, bias, out)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        from .cpu_kernels import gguf_matmul
-
-        y = gguf_matmul(x, self.codes, self.d, self.m, int(self.qtype), self.bias, out_dtype or x.dtype)
+        y = cpu_kernels.gguf_matmul(x, self.codes, self.d, self.m, int(self.qtype), self.bias, out_dtype or x.dtype)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
 
@@ -183,8 +182,6 @@ def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bf
                      bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight:
     """The fast precision's matmul for these blocks: the GGUF block kernel where it builds on this machine, else
     torch's int4 kernel (Q4_0/Q4_1 only)."""
-    from . import cpu_kernels
-
     if cpu_kernels.available():
         return BlockWeight.of(parts, dtype, bias)
     return Int4Weight.of(parts, dtype, bias)
@@ -192,8 +189,6 @@ def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bf
 
 def block_types() -> tuple[gguf.GGMLQuantizationType, ...]:
     """The GGUF types the fast precision keeps as blocks on this machine."""
-    from . import cpu_kernels
-
     return BLOCK_TYPES if cpu_kernels.available() else INT4_TYPES
 
 

@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -76,6 +77,15 @@ SLOW_FILES = (
     "tests/service/test_draft_batching.py",
 )
 SHARED_UNIT = "tests/conftest.py::SHARED_SESSION_FILES"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's first process starts building runtime/cpu_kernels.py's library (~30 s of one core) while the
+    workers start on other files; a worker that needs it first waits for that build (a file lock), not a second."""
+    if not hasattr(config, "workerinput") and os.environ.get("DSPARK_CPU_KERNELS") != "0":
+        from dspark_grpc.runtime import cpu_kernels
+
+        threading.Thread(target=cpu_kernels.available, daemon=True).start()
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
