@@ -35,22 +35,17 @@ def assert_rows_invariant(run, x: torch.Tensor) -> None:
         assert torch.equal(got, ones[:m]), (m, (got.float() - ones[:m].float()).abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", INT4_TYPES)
+QUANTIZED_KERNELS = [*((Int4Weight, q) for q in INT4_TYPES), *((BlockWeight, q) for q in BLOCK_TYPES)]
+
+
+@pytest.mark.parametrize("kernel,qtype", QUANTIZED_KERNELS)
 @pytest.mark.parametrize("shape", [(192, 576), (960, 576), (3072, 576), (576, 1536)])  # SmolLM2's projections
-def test_int4_matmul_rows_are_batch_invariant(qtype, shape):
+def test_quantized_matmul_rows_are_batch_invariant(kernel, qtype, shape):
+    if kernel is BlockWeight and not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
     g = torch.Generator().manual_seed(shape[0])
-    weight = Int4Weight.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
-                           bias=torch.randn(shape[0], generator=g))
-    assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
-@pytest.mark.parametrize("shape", [(192, 576), (960, 576), (3072, 576), (576, 1536)])
-def test_gguf_block_matmul_rows_are_batch_invariant(qtype, shape):
-    g = torch.Generator().manual_seed(shape[0])
-    weight = BlockWeight.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
-                            bias=torch.randn(shape[0], generator=g))
+    weight = kernel.of([quantized(torch.randn(*shape, generator=g) * 0.05, qtype)],
+                       bias=torch.randn(shape[0], generator=g))
     assert_rows_invariant(weight, torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
 
 
