@@ -65,10 +65,10 @@ class FusedProjection:
     def of(cls, layers: Sequence[nn.Linear]) -> FusedProjection | None:
         blocks = [getattr(layer, "blocks", None) for layer in layers]
         if any(b is not None for b in blocks):
-            if any(b is None for b in blocks):
-                return None
-            return cls(None, None, tuple(layer.out_features for layer in layers),
-                       quantized_weight(blocks, layers[0].weight.dtype, _fused_bias(layers)))
+            quantized = None if any(b is None for b in blocks) else quantized_weight(
+                blocks, layers[0].weight.dtype, _fused_bias(layers))
+            return None if quantized is None else cls(None, None, tuple(layer.out_features for layer in layers),
+                                                      quantized)
         weight = torch.cat([layer.weight.detach() for layer in layers])
         packed = pack_weight(weight)
         if packed is None or any(layer.weight.requires_grad for layer in layers):

@@ -179,11 +179,12 @@ class BlockWeight:
 
 
 def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bfloat16,
-                     bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight:
-    """The fast precision's matmul for these blocks: the GGUF block kernel where it builds on this machine, else
-    torch's int4 kernel (Q4_0/Q4_1 only)."""
+                     bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight | None:
+    """The fast precision's matmul for these blocks stacked along out: the GGUF block kernel where it builds on this
+    machine (None when the parts are of different types: it multiplies one type per call), else torch's int4 kernel
+    (Q4_0/Q4_1 only, mixed or not)."""
     if cpu_kernels.available():
-        return BlockWeight.of(parts, dtype, bias)
+        return BlockWeight.of(parts, dtype, bias) if len({p.qtype for p in parts}) == 1 else None
     return Int4Weight.of(parts, dtype, bias)
 
 

@@ -12,6 +12,7 @@ import gguf
 import pytest
 import torch
 from dspark_grpc.runtime import cpu_kernels
+from dspark_grpc.runtime.linear import FusedProjection, Linear
 from dspark_grpc.runtime.quant import BLOCK_TYPES, BlockWeight, Int4Weight, QuantBlocks, quantized_weight
 
 Q = gguf.GGMLQuantizationType
@@ -81,6 +82,21 @@ def test_fused_parts_and_bf16_rows():
     assert got.shape == (3, 2, 64) and got.dtype == torch.bfloat16
     one_by_one = torch.cat([BlockWeight.of([p])(x) for p in parts], dim=-1)
     assert torch.equal(got, one_by_one)
+
+
+@needs_kernels
+def test_projections_of_different_block_types_stay_unfused():
+    g = torch.Generator().manual_seed(9)
+    layers = []
+    for qtype in (Q.Q4_1, Q.Q8_0):  # as llama.cpp's mixed files keep some matrices at 8 bits
+        layer = Linear(64, 32, bias=False)
+        layer.blocks = quantized(torch.randn(32, 64, generator=g) * 0.05, qtype)
+        layers.append(layer)
+    assert FusedProjection.of(layers) is None
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    for layer in layers:  # each runs on its own blocks
+        assert torch.equal(layer(x), BlockWeight.of([layer.blocks])(x))
+    assert FusedProjection.of(layers[:1]) is not None
 
 
 @needs_kernels
