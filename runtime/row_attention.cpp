@@ -81,7 +81,7 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < chunks; ++j) qf[g][j] = load_bf16(q + g * D + j * LANES) * scale;
   scores.resize(G * blocks * LANES);
-  f32x16 best[MAX_GROUP];
+  f32x16 best[MAX_GROUP], sums[MAX_GROUP];  // per head: each lane's largest score; the probabilities' sum
   for (int64_t g = 0; g < G; ++g) best[g] = splat(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < blocks; ++b) {
     f32x16 dots[MAX_GROUP][LANES];
@@ -119,7 +119,7 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
       std::memcpy(&scores[(g * blocks + b) * LANES], &p, sizeof(p));
     }
     f32x16 one[LANES] = {total};
-    best[g] = splat(lane_sums(one)[0]);  // the probabilities' sum, in every lane
+    sums[g] = splat(lane_sums(one)[0]);
   }
   for (int64_t c = 0; c < C; ++c) {
     if (!mask[c]) continue;
@@ -133,7 +133,7 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
   for (int64_t g = 0; g < G; ++g) {
     float o[LANES];
     for (int64_t j = 0; j < chunks; ++j) {
-      const f32x16 r = acc[g][j] / best[g];
+      const f32x16 r = acc[g][j] / sums[g];
       std::memcpy(o, &r, sizeof(o));
       for (int64_t l = 0; l < LANES; ++l) out[g * D + j * LANES + l] = at::BFloat16(o[l]);
     }
