@@ -126,17 +126,19 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               cost_profile: bool = True, connect_timeout: float = 15.0, link_delay_ms: float = 0.0,
-              baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (), repeat: int = 1,
+              baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (),
+              drafter_args: tuple[str, ...] = (), repeat: int = 1,
               log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
-    and stopped at the end. `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client ->
-    target and, for a target started here, target -> drafter. `baselines` ("llama-cpp")
-    run before the services start and again after they stop, as child processes of this one (the machine's drift
-    during the modes then hits the baseline about alike; its figures sum both runs). At concurrency > 1 the modes
-    run one after the other, `repeat` times in turn (a drift of the machine's speed then hits every mode alike); a
+    and stopped at the end (`target_args`, `drafter_args`: more arguments for them). `link_delay_ms` puts a
+    delaying proxy (client/delay_proxy.py) on every link: client -> target and, for a target started here, target
+    -> drafter. `baselines` ("llama-cpp") run before the services start and again after they stop, as child
+    processes of this one (the machine's drift during the modes then hits the baseline about alike; its figures
+    sum both runs). At concurrency > 1 the modes run one after the other, `repeat` times in turn (a drift of the
+    machine's speed then hits every mode alike); a
     mode's figures sum its repeats.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -160,7 +162,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
             args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
-                                                                                         *profile]
+                                                                                         *profile, *drafter_args]
             # SERVING before the target starts: the two start-up cost profiles must not share the CPU
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else []), wait_serving=True))
@@ -185,7 +187,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
-            "cost_profile": cost_profile, "link_delay_ms": link_delay_ms,
+            "cost_profile": cost_profile, "link_delay_ms": link_delay_ms, "target_args": list(target_args),
+            "drafter_args": list(drafter_args),
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
                             "num_layers": info.num_layers, "device": info.device,

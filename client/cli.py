@@ -226,6 +226,9 @@ def parser() -> OneLineParser:
     b.add_argument("--target-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to the started target service (repeat: --target-arg=--precision "
                         "--target-arg=fast --target-arg=--compile --target-arg=fast)")
+    b.add_argument("--drafter-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG to the started draft service (repeat: --drafter-arg=--precision "
+                        "--drafter-arg=exact)")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
@@ -348,6 +351,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
                        link_delay_ms=args.link_delay_ms, target_args=tuple(args.target_arg),
+                       drafter_args=tuple(args.drafter_arg),
                        command=command, baselines=tuple(args.baseline), repeat=args.repeat)
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

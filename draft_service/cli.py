@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.draft_service.engine import DRAFTER_PRECISIONS, DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.markov import KERNELS
@@ -47,6 +47,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel", choices=KERNELS, default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
+    s.add_argument("--precision", choices=DRAFTER_PRECISIONS, default="fast",
+                   help="fast: the drafter's projections and head as Q8_0 blocks on our CPU kernels (where they "
+                        "build; int8 weights and activations, as llama.cpp multiplies them); exact: in --dtype. "
+                        "The drafter's rounding only changes what it proposes: the target's output is the same")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
                         "a free port")
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter = args.drafter or ("embedded" if args.target_model is None else "none")
         engine = DraftEngine.load(None if drafter == "none" else drafter, args.target_model,
                                   dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                  seed=args.seed)
+                                  seed=args.seed, precision=args.precision)
         if engine.drafter is not None and not args.no_cost_profile:
             t0 = time.perf_counter()
             tables = engine.profile_costs(args.cost_cache or default_cache_dir())

@@ -57,6 +57,7 @@ from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
 ROUND_WAIT_S = 2.0
 PROPOSERS = ("dspark", "ngram", "hybrid")
+DRAFTER_PRECISIONS = ("exact", "fast")
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
 EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
 
@@ -145,9 +146,13 @@ class DraftEngine:
     @classmethod
     def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
              dtype: torch.dtype = torch.float32, limits: DraftLimits | None = None, progress: bool = True,
-             seed: int = 0) -> DraftEngine:
+             seed: int = 0, precision: str = "exact") -> DraftEngine:
         """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target;
-        "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER)."""
+        "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER).
+        `precision` "fast": the drafter's projections and head as Q8_0 blocks on our CPU kernels (int8 weights and
+        activations; a drafter's rounding changes which tokens it proposes, never the target's output)."""
+        if precision not in DRAFTER_PRECISIONS:
+            raise ValueError(f"precision must be one of {DRAFTER_PRECISIONS}, got {precision!r}")
         if str(drafter_path) == "embedded":
             drafter_path = EMBEDDED_DRAFTER
         target_path = Path(target_path) if target_path else default_model_path()
@@ -168,7 +173,7 @@ class DraftEngine:
             name = Path(drafter_path).name
         if drafter is not None:
             check_drafter_fits_target(drafter, ckpt.config)
-            drafter = drafter.to(dtype).eval().requires_grad_(False).pack()
+            drafter = drafter.to(dtype).eval().requires_grad_(False).pack(quantize=precision == "fast")
         return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
 
     # -- sessions ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .drafter_config import DrafterConfig
 from .kv_cache import CacheFullError, KVCache
-from .linear import Linear, pack_linears
+from .linear import Linear, pack_linears, quantize_linears
 from .markov import ConfidenceHead, MarkovHead
 from .rope import rope_cos_sin, rope_inv_freq
 from .transformer import Block, Embedding, RMSNorm, Segment
@@ -87,9 +87,12 @@ class Drafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def pack(self) -> Drafter:
-        """Pre-pack the projections for CPU inference (runtime/linear.py) and cache a vanilla Markov head's biases
-        (MarkovHead.cache_biases); frozen drafters only."""
+    def pack(self, quantize: bool = False) -> Drafter:
+        """Pre-pack the projections for CPU inference (runtime/linear.py; `quantize`: as Q8_0 blocks on our CPU
+        kernels, where they build) and cache a vanilla Markov head's biases (MarkovHead.cache_biases); frozen
+        drafters only."""
+        if quantize:
+            quantize_linears(self)
         pack_linears(self)
         if self.markov is not None and self.markov.kind == "vanilla" and not self.markov.w2.weight.requires_grad:
             self.markov.cache_biases(MARKOV_BIAS_CACHE)

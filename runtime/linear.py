@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import BlockWeight, Int4Weight, QuantBlocks, quantized_weight
+from . import cpu_kernels
+from .quant import GROUP, BlockWeight, Int4Weight, QuantBlocks, quantize_q8_0, quantized_weight
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 3
@@ -113,11 +114,25 @@ def matmul_kind(model: nn.Module) -> str:
     table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.blocks is not None for m in linears):
-        from . import cpu_kernels
-
         kind = "gguf-blocks" if cpu_kernels.available() else "int4-g32"
         return kind + ("-compiled" if getattr(model, "compiled", None) is not None else "")
     return "onednn-packed" if any(m.packed is not None for m in linears) else "aten"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Give every frozen `Linear` of `model` whose input size is a multiple of 32 its weight as Q8_0 blocks
+    (`quantize_q8_0`), so that it runs on runtime/gguf_matmul.cpp (int8 weights and activations; another precision,
+    for a model whose rounding decides no output token: a drafter). Nothing without the CPU kernels. Call before
+    `pack_linears`; returns how many Linears got blocks."""
+    if not cpu_kernels.available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.blocks is None and not module.weight.requires_grad \
+                and module.in_features % GROUP == 0 and module.weight.device.type == "cpu":
+            module.blocks, module.packed, module.quantized = quantize_q8_0(module.weight), None, None
+            count += 1
+    return count
 
 
 def pack_linears(model: nn.Module) -> int:

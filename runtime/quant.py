@@ -57,6 +57,16 @@ def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = I
     return QuantBlocks(qtype, data, (out, inp))
 
 
+def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
+    """A float [out, in] weight (in % 32 == 0) as Q8_0 blocks, as llama.cpp's quantizer writes them (the gguf
+    package's): d = max |w| / 127 per block of 32 in float16, q = round(w / d). For weights no file gave as blocks
+    (a drafter's), so that they run on runtime/gguf_matmul.cpp."""
+    assert weight.dim() == 2 and weight.shape[1] % GROUP == 0, weight.shape
+    data = gguf.quantize(weight.detach().float().cpu().numpy(), Q.Q8_0)
+    return QuantBlocks(Q.Q8_0, torch.from_numpy(data).view(torch.uint8).reshape(weight.shape[0], -1),
+                       (int(weight.shape[0]), int(weight.shape[1])))
+
+
 def block_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """d and m (None for Q4_0) float32 [out, in / 32], and the codes uint8 [out, in / 32, 32] in 0..15."""
     out, inp = blocks.shape
