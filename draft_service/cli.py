@@ -10,9 +10,10 @@ from pathlib import Path
 
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.draft_service.engine import DRAFTER_PRECISIONS, DraftEngine, DraftLimits
+from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
+from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
@@ -47,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel", choices=KERNELS, default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
-    s.add_argument("--precision", choices=DRAFTER_PRECISIONS, default="fast",
+    s.add_argument("--precision", choices=PRECISIONS, default="fast",
                    help="fast: the drafter's projections and head as Q8_0 blocks on our CPU kernels (where they "
                         "build; int8 weights and activations, as llama.cpp multiplies them); exact: in --dtype. "
                         "The drafter's rounding only changes what it proposes: the target's output is the same")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
-from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
+from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_checkpoint
 from dspark_grpc.runtime.cost_profile import drafter_cost_tables
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
@@ -57,7 +57,6 @@ from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
 ROUND_WAIT_S = 2.0
 PROPOSERS = ("dspark", "ngram", "hybrid")
-DRAFTER_PRECISIONS = ("exact", "fast")
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
 EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
 
@@ -151,8 +150,8 @@ class DraftEngine:
         "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER).
         `precision` "fast": the drafter's projections and head as Q8_0 blocks on our CPU kernels (int8 weights and
         activations; a drafter's rounding changes which tokens it proposes, never the target's output)."""
-        if precision not in DRAFTER_PRECISIONS:
-            raise ValueError(f"precision must be one of {DRAFTER_PRECISIONS}, got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if str(drafter_path) == "embedded":
             drafter_path = EMBEDDED_DRAFTER
         target_path = Path(target_path) if target_path else default_model_path()

@@ -133,9 +133,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             finally:  # refused before its pass (a bad field): the round's pass must not wait for it
                 engine.proposal_done(op.propose.session_id, owner)
 
-        if len(proposals) == 1:  # nothing to draft beside it: no hand-off to another thread
-            results[proposals[0]] = propose(m.ops[proposals[0]])
-            return draft_pb2.DraftRoundResult(results=results)
         futures = {i: self.round_executor.submit(propose, m.ops[i]) for i in proposals}
         for i, future in futures.items():
             results[i] = future.result()

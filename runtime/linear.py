@@ -130,7 +130,7 @@ def quantize_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and module.blocks is None and not module.weight.requires_grad \
                 and module.in_features % GROUP == 0 and module.weight.device.type == "cpu":
-            module.blocks, module.packed, module.quantized = quantize_q8_0(module.weight), None, None
+            module.blocks, module.packed = quantize_q8_0(module.weight), None
             count += 1
     return count
 
