@@ -1,8 +1,8 @@
 """The asyncio SDK: the same generation as TargetClient, awaitable, without blocking the event loop.
 
-Each step of the (synchronous, gRPC-stream driven) generation loop runs in a worker thread, so many requests can
-be in flight from one event loop. Cancelling a request (task.cancel(), asyncio.wait_for / timeout) closes its
-session streams at once: the step under way fails fast, the servers free the sessions.
+Each request's (synchronous) Generate stream is read in a worker thread, so many requests can be in flight from one
+event loop. Cancelling a request (task.cancel(), asyncio.wait_for / timeout) cancels its call at once: the read under
+way fails fast, the target frees the session.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, SessionStream, TargetClient
+from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, TargetClient
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 
 
@@ -48,8 +48,8 @@ class AsyncTargetClient:
     async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[tuple[str, list[int], str | None]]:
         """Yields (text, token_ids, finish_reason or None) as tokens are committed; leaving early (break,
         cancellation) ends the request and frees its sessions."""
-        opened: list[SessionStream] = []
-        steps = self._client.stream(prompt, _streams=opened, **kwargs)
+        calls: list = []
+        steps = self._client.stream(prompt, _calls=calls, **kwargs)
         # one thread per request runs its steps; its own future tells whether a step is still running after the
         # awaiting task was cancelled (the asyncio wrapper is cancelled at once, the thread is not)
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-aio")
@@ -62,9 +62,9 @@ class AsyncTargetClient:
                     return
                 yield item
         finally:
-            if step is not None and not step.done():  # cancelled mid-step: end its streams, so it fails now
-                for s in list(opened):
-                    s.close("the request was cancelled")
+            if step is not None and not step.done():  # cancelled mid-read: cancel the call, so it fails now
+                for call in list(calls):
+                    call.cancel()
                 try:
                     await asyncio.shield(asyncio.wrap_future(step))
                 except BaseException:  # noqa: BLE001 - the step's error is the cancellation's consequence

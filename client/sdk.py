@@ -9,12 +9,8 @@ from dataclasses import dataclass, field
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation import wire
-from dspark_grpc.speculation.channel import (
-    ChannelSecurity,
-    SessionStream,
-    make_channel,
-)
-from dspark_grpc.speculation.generation import GenerationConfig, generate_deltas
+from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
+from dspark_grpc.speculation.generation import RequestError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 _FINISH = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in common_pb2.FinishReason.items()}
@@ -51,8 +47,9 @@ class TargetClient:
 
     mode: "ar" (target only), "speculation" (draft every step; the target must have a drafter), "adaptive" (the
     default: draft while it pays, decided by the target per step; AR where the target has no drafter). Any drafter
-    failure finishes the request target-only with the same tokens and the reason in `stats.fallback_reason`. Each
-    step is one round trip to the target; hidden states never reach the client. `timeout` is the deadline of each
+    failure finishes the request target-only with the same tokens and the reason in `stats.fallback_reason`. A
+    request is one Generate call: the target runs its steps and streams the tokens (no round trip to the client per
+    step); hidden states never reach the client. `timeout` is the deadline of each
     request, in seconds (None: none). A request always ends by its deadline (plus a round trip), with the gRPC
     status as a RequestError's code. `security`: TLS, client certificate, bearer token.
     """
@@ -104,35 +101,42 @@ class TargetClient:
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | tuple = (),
                ignore_eos: bool = False, mode: str | None = None, proposal: str | None = None,
                budget: int | None = None, kernel: str | None = None, proposer: str | None = None,
-               stats: common_pb2.GenerationStats | None = None, _streams: list[SessionStream] | None = None
+               stats: common_pb2.GenerationStats | None = None, _calls: list | None = None
                ) -> Iterator[tuple[str, list[int], str | None]]:
         """Yields (text, token_ids, finish_reason or None) as tokens are committed. mode/proposal/budget/kernel/
-        proposer override the client's defaults for this request. (`_streams` receives the session stream it
-        opens, so that another thread can close it: the asyncio client's cancellation.)"""
+        proposer override the client's defaults for this request. One Generate call: the target runs the steps
+        (speculation/generation.py, the loop a TargetSession client would drive) and streams what each commits, so
+        no step waits for a round trip to this client. (`_calls` receives the call, so that another thread can
+        cancel it: the asyncio client's cancellation.)"""
         chosen = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         options = {**self.defaults, **{k: v for k, v in chosen.items() if v is not None}}
         _check_options(**options)
+        if max_new_tokens < 1:
+            raise RequestError(3, f"max_new_tokens must be >= 1, got {max_new_tokens}")
         stats = stats if stats is not None else common_pb2.GenerationStats()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-
-        def remaining() -> float | None:  # the request's deadline covers every call it makes
-            return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-
-        eos = frozenset(self.model_info(remaining()).eos_token_ids)
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop),
-                                  ignore_eos=ignore_eos)
-        step_options = target_pb2.StepOptions(
-            mode=MODES[options["mode"]], proposal=PROPOSALS[options["proposal"]], budget=options["budget"],
-            kernel=KERNELS[options["kernel"]], proposer=PROPOSERS[options["proposer"]])
-        streams = _streams if _streams is not None else []
-        streams.append(SessionStream(self._stub.TargetSession, remaining()))
+        request = target_pb2.GenerateRequest(
+            prompt=make_prompt(prompt, messages, tokens), max_new_tokens=max_new_tokens,
+            sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            stop=list(stop), ignore_eos=ignore_eos, mode=MODES[options["mode"]],
+            proposal=PROPOSALS[options["proposal"]], budget=options["budget"], kernel=KERNELS[options["kernel"]],
+            proposer=PROPOSERS[options["proposer"]])
+        call = self._stub.Generate(request, timeout=self.timeout)
+        if _calls is not None:
+            _calls.append(call)
+        through_client = request.ByteSize()
         try:
-            for d in generate_deltas(streams[-1], make_prompt(prompt, messages, tokens), config, eos, stats,
-                                     step_options):
-                yield d.text, d.token_ids, _FINISH[d.finish_reason] if d.finish_reason else None
+            for reply in call:
+                through_client += reply.ByteSize()
+                finish = _FINISH[reply.finish_reason] if reply.finish_reason else None
+                if finish is not None:
+                    stats.CopyFrom(reply.stats)
+                    # what crossed this client (the target's loop counted its in-process session ops)
+                    stats.session_bytes, stats.capture_bytes = through_client, 0
+                yield reply.text, list(reply.token_ids), finish
+        except grpc.RpcError as e:
+            raise RequestError(e.code().value[0], e.details() or e.code().name) from None
         finally:
-            streams[-1].close()
+            call.cancel()  # a consumer that stops early ends the request (the target frees its session)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Same arguments as `stream`; returns the whole result with per-request stats."""

@@ -56,13 +56,23 @@ def _build(target: Path) -> None:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dirs = library_paths()
-    cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(str(s) for s in SOURCES),
-           *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
-           *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
+    compile_flags = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
+                     f"-I{sysconfig.get_paths()['include']}"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         print("[dspark] building the CPU kernels (once per machine)...", file=sys.stderr, flush=True)
-        subprocess.run([*cmd, "-o", str(out)], check=True, capture_output=True, text=True)
+        # one g++ per source, side by side (torch's headers are most of each one's time)
+        builds = [subprocess.Popen(["g++", *compile_flags, "-c", str(source), "-o", str(obj)], text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                  for source, obj in zip(SOURCES, objects, strict=True)]
+        for build in builds:
+            output, _ = build.communicate()
+            if build.returncode:
+                raise subprocess.CalledProcessError(build.returncode, build.args, stderr=output)
+        subprocess.run(["g++", *FLAGS, *(str(o) for o in objects), *(f"-L{p}" for p in lib_dirs),
+                        *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu", "-o", str(out)],
+                       check=True, capture_output=True, text=True)
         os.replace(out, target)
 
 

@@ -12,7 +12,8 @@
 // Two implementations, chosen when it is built for the CPU: AVX-512 VNNI and AVX2.
 // Built by runtime/cpu_kernels.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>

@@ -6,7 +6,8 @@
 // o[r, h] = sum_c softmax_c(q[r, h] . k[slot[r], h / G, c] / sqrt(D) | mask[r, c]) v[slot[r], h / G, c], G = H / KV.
 // Built with runtime/gguf_matmul.cpp by runtime/cpu_kernels.py, registered as torch.ops.dspark.row_attention.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -427,32 +428,64 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         loop = asyncio.get_running_loop()
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, options)
-        step = None
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        produced: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+        # One thread runs the steps back to back: the next step starts while this loop sends the last one's tokens.
+        ended = loop.create_future()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(produced.put_nowait, item)
+                if item is None:
+                    loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
+            except RuntimeError:  # the loop is closed (the server stopped): nobody reads any more
+                pass
+
+        threading.Thread(target=_run_steps, args=(deltas, deadline, stop, put), name="generate", daemon=True).start()
         try:
-            while True:
-                remaining = context.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                step = self.executor.submit(next, deltas, None)
-                delta = await asyncio.wrap_future(step)
-                step = None
-                if delta is None:
-                    return
-                if delta.finish_reason and self.metrics is not None:
+            while (item := await produced.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason and self.metrics is not None:
                     self.metrics.observe(stats)
                 yield target_pb2.GenerateResponse(
-                    text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish_reason,
-                    stats=stats if delta.finish_reason else None)
+                    text=item.text, token_ids=item.token_ids, finish_reason=item.finish_reason,
+                    stats=stats if item.finish_reason else None)
+        except _DeadlineExceeded:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
         except RequestError as e:
             await context.abort(status_code(e.code), e.message)
         finally:
-            if step is not None and not step.done():  # cancelled mid-step: it must end before the loop is closed
-                try:
-                    await asyncio.shield(asyncio.wrap_future(step))
-                except BaseException:  # noqa: BLE001 - the step's own error does not matter any more
-                    pass
-            await loop.run_in_executor(self.executor, deltas.close)
+            stop.set()  # cancelled or done: no further step; the one under way ends before the session is freed
+            try:
+                await asyncio.shield(ended)
+            except BaseException:  # noqa: BLE001 - cancelled again while waiting: the thread still frees the session
+                pass
             self._release_owner(owner)
+
+
+class _DeadlineExceeded(Exception):
+    pass
+
+
+def _run_steps(deltas, deadline: float | None, stop: threading.Event, put) -> None:
+    """Runs the generation to its end (or until `stop`, or past `deadline`), handing each delta to `put`, then None.
+    An error is handed over as the last item."""
+    try:
+        for delta in deltas:
+            put(delta)
+            if delta.finish_reason or stop.is_set():
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                put(_DeadlineExceeded())
+                break
+    except BaseException as e:  # noqa: BLE001 - re-raised by the RPC's loop
+        put(e)
+    finally:
+        deltas.close()
+        put(None)
 
 
 def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None, torch.Tensor | None]:
