@@ -1,8 +1,9 @@
 """The generation loop, written once over the TargetSession protocol: open, prefill, then one Step per target
 forward (the target drafts with its own drafter, verifies and commits; speculation/steps.py).
 
-The SDK runs it over a gRPC stream (one round trip per step); the target service's Generate RPC runs the very same
-loop in-process (none). It only speaks dspark.v1 messages, so it needs no torch.
+The target service's Generate RPC (what the SDK calls) runs it in-process, no round trip per step; a client can run
+the very same loop over a TargetSession stream (one round trip per step). It only speaks dspark.v1 messages, so it
+needs no torch.
 """
 
 from __future__ import annotations
