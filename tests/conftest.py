@@ -29,6 +29,9 @@ for _env, _prefix in (("TORCHINDUCTOR_CACHE_DIR", "dspark-inductor-"), ("DSPARK_
     if _env not in os.environ:
         os.environ[_env] = tempfile.mkdtemp(prefix=_prefix)
         atexit.register(shutil.rmtree, os.environ[_env], ignore_errors=True)
+# The services' `--compile auto` compiles the fast precision's step (minutes): the tests' services run it eagerly unless
+# a test asks (tests/runtime/test_compiled_step.py compiles in process).
+os.environ.setdefault("DSPARK_COMPILE", "off")
 # One torch thread in this process and in every service it starts (they inherit OMP_NUM_THREADS): the test process
 # and a service, or two services, take turns on CI's 2 cores, and with another job on one of them an OpenMP team of
 # two waits at every barrier for its descheduled thread (measured: a small matmul 4x slower than on one thread).

@@ -89,10 +89,34 @@ def test_precision_is_checked(smollm2_path):
         load_checkpoint(smollm2_path, progress=False, precision="int4")
 
 
+@pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
+def test_auto_precision_is_fast_for_a_quantized_gguf_only(smollm2_path, tiny_hf_models):
+    from dspark_grpc.runtime.checkpoint import auto_precision
+
+    precision, why = auto_precision(smollm2_path)  # the embedded Q4_1 file: 210 Q4_1 matrices, a Q8_0 embedding
+    assert precision == "fast" and "blocks" in why
+    assert auto_precision(tiny_hf_models["qwen3"]) == ("exact", "not a GGUF file")
+
+
+def test_auto_compile_follows_the_precision(monkeypatch, tiny_hf_models):
+    from dspark_grpc.target_service.cli import _precision_and_compile
+
+    monkeypatch.delenv("DSPARK_COMPILE", raising=False)
+    assert _precision_and_compile("m.gguf", "fast", "auto", quiet=True) == ("fast", "max")
+    assert _precision_and_compile("m.gguf", "exact", "auto", quiet=True) == ("exact", "off")
+    assert _precision_and_compile(str(tiny_hf_models["qwen3"]), "auto", "auto", quiet=True) == ("exact", "off")
+    assert _precision_and_compile("m.gguf", "fast", "fast", quiet=True) == ("fast", "fast")  # as asked
+    monkeypatch.setenv("DSPARK_COMPILE", "off")
+    assert _precision_and_compile("m.gguf", "fast", "auto", quiet=True) == ("fast", "off")
+    monkeypatch.setenv("DSPARK_COMPILE", "fastest")
+    with pytest.raises(ValueError, match="DSPARK_COMPILE must be one of off, fast, max"):
+        _precision_and_compile("m.gguf", "fast", "auto", quiet=True)
+
+
 def test_serve_takes_a_precision():
     from dspark_grpc.target_service.cli import parser
 
-    assert parser().parse_args(["serve"]).precision == "exact"
+    assert parser().parse_args(["serve"]).precision == "auto"
     assert parser().parse_args(["serve", "--precision", "fast"]).precision == "fast"
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--precision", "int8"])

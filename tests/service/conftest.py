@@ -25,9 +25,10 @@ SLOW_MACHINE_DRAFT_TIMEOUT = 300.0
 
 @pytest.fixture(scope="session")
 def target_address() -> str:
-    """The default model (embedded SmolLM2 GGUF), small limits so limit tests are cheap."""
+    """The default model (embedded SmolLM2 GGUF) in the exact precision (the tests compare it with HF
+    transformers), small limits so limit tests are cheap."""
     args = ["--max-sessions", str(MAX_SESSIONS), "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--quiet",
-            "--no-cost-profile"]
+            "--no-cost-profile", "--precision", "exact"]
     with local_target(args, echo=False) as address:
         with TargetClient(address) as client:
             client.wait_ready(timeout=300)
@@ -48,7 +49,8 @@ def draft_address() -> str:
 def target_with_drafter(drafter: str, *args: str, draft_timeout: float = SLOW_MACHINE_DRAFT_TIMEOUT) -> Iterator[str]:
     """A target (the default model unless `args` name another) started with `--drafter DRAFTER`; yielded once it
     is SERVING and has found its drafter (`wait_drafting`)."""
-    args = ["--drafter", drafter, "--draft-timeout", str(draft_timeout), "--quiet", "--no-cost-profile", *args]
+    args = ["--drafter", drafter, "--draft-timeout", str(draft_timeout), "--quiet", "--no-cost-profile",
+            "--precision", "exact", *args]  # the same precision as `target_address`, whose AR it is compared with
     with local_target(args, echo=False) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)
