@@ -314,13 +314,17 @@ def _demo(args: argparse.Namespace) -> None:
               f"drafter {dinfo.name} at {drafter}", file=sys.stderr)
         messages = [{"role": "user", "content": args.message}]
         runs = {}
-        for mode in ("ar", "speculation"):
+        for mode in ("ar", "speculation", "adaptive"):
             print(f"\n=== {mode} ===\nuser: {args.message}\nassistant: ", flush=True)
             runs[mode] = _print_result(client, args, mode=mode, messages=messages)
-        ar, spec = runs["ar"], runs["speculation"]
-        same = ar[0] == spec[0]
-        print(f"\n=== speculation vs AR: {spec[1] / ar[1]:.2f}x tokens/s ({spec[1]:.1f} vs {ar[1]:.1f}); "
-              f"acceptance length {spec[2]:.2f}; outputs identical: {'yes' if same else 'NO'}")
+        ar = runs["ar"]
+        same = all(run[0] == ar[0] for run in runs.values())
+        print()
+        for mode in ("speculation", "adaptive"):
+            run = runs[mode]
+            print(f"=== {mode} vs AR: {run[1] / ar[1]:.2f}x tokens/s ({run[1]:.1f} vs {ar[1]:.1f}); "
+                  f"acceptance length {run[2]:.2f}")
+        print(f"=== outputs identical: {'yes' if same else 'NO'}")
         if not same:
             sys.exit(1)
 

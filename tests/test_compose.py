@@ -82,9 +82,14 @@ def test_compose_services(compose_binary, tmp_path):
     assert "cost-tables" in config["volumes"]
     for name in ("target", "draft"):
         s = services[name]
-        [volume] = s["volumes"]
-        assert volume["type"] == "volume" and volume["source"] == "cost-tables"
-        assert s["environment"]["DSPARK_COST_CACHE"] == volume["target"]
+        volumes = {v["source"]: v for v in s["volumes"]}
+        assert volumes["cost-tables"]["type"] == "volume"
+        assert s["environment"]["DSPARK_COST_CACHE"] == volumes["cost-tables"]["target"]
+    # and the target's compiled step (compiled at the first `up`) in another
+    target = services["target"]
+    assert "compiled-steps" in config["volumes"]
+    compiled = {v["source"]: v for v in target["volumes"]}["compiled-steps"]
+    assert compiled["type"] == "volume" and target["environment"]["DSPARK_COMPILE_CACHE"] == compiled["target"]
     # the draft service's start-up cost profile waits for the target's
     assert services["draft"]["depends_on"]["target"]["condition"] == "service_healthy"
 
