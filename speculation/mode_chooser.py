@@ -13,7 +13,8 @@ two; at a fixed load the target's goodput is that times the load, so the arms co
 Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed tokens (so a window of the slower
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
 `interval` windows (it takes over if it wins by `margin`), the interval doubling (up to `max_interval`) each time
-the probe loses (quadrupling when it loses by far) and dropping back to `min_interval` when it wins. A bucket never
+the probe loses (quadrupling, up to 4 x `max_interval`, when it loses by far) and dropping back to `min_interval`
+when it wins. A bucket never
 measured starts from its neighbours (speculation pays less as load grows: a load that AR wins at fewer sessions
 starts with AR) or else with the arm that `predicted_speedup` favours (the target's cost table, the acceptance and
 drafting seconds measured at any load so far), and probes the other after its first window unless that was clear.
@@ -215,7 +216,8 @@ class ModeChooser:
                 b.interval = self.min_interval
             elif b.probing:  # lost: probe less often, much less if it lost by far
                 deficit = 1.0 - min(rates[AR], rates[SPECULATE]) / max(rates[AR], rates[SPECULATE])
-                b.interval = min(b.interval * (4 if deficit > self.clear else 2), self.max_interval)
+                far = deficit > self.clear  # a clear loser backs off further: each probe of it costs that much
+                b.interval = min(b.interval * (4 if far else 2), self.max_interval * (4 if far else 1))
         assert best is not None
         b.best = best
         b.since_probe = 0 if b.probing else b.since_probe + 1

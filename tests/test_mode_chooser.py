@@ -75,6 +75,20 @@ def test_a_drafter_that_is_never_right_is_probed_less_and_less():
     assert gaps == sorted(gaps) and gaps[-1] >= 32 * chooser.window_tokens(1)  # backing off up to max_interval
 
 
+def test_a_clear_loser_backs_off_further_than_a_close_one():
+    """Probes cost in proportion to how much the probed arm loses: one that loses by far (here speculation at half
+    AR's goodput) is probed up to every 4 x max_interval windows, one about as fast every max_interval."""
+    intervals = {}
+    for name, spec_seconds in (("far", 0.1), ("close", 0.052)):
+        chooser = ModeChooser()
+        for _ in range(20000):
+            arm = chooser.choose(2)
+            chooser.observe(arm, 2, 1, 0.05 if arm == AR else spec_seconds)  # AR: 1 token in 50 ms
+        assert chooser.buckets[2].best == AR
+        intervals[name] = chooser.buckets[2].interval
+    assert intervals == {"far": 4 * ModeChooser().max_interval, "close": ModeChooser().max_interval}
+
+
 def test_a_busier_machine_flips_the_choice_when_speculation_stops_paying():
     """Speculating is worth it at load 2 until the machine gets slower for the target's forwards than the table
     says (another process on the cores): the chooser follows what it measures, not the table."""
