@@ -251,6 +251,9 @@ class CompiledStep:
 
         for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
             torch._dynamo.mark_static(t)
+        for t in (*self.store.k, *self.store.v):  # only slots and capacity vary: 2 sizes passed per call, not 122
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
         # size_asserts: the step's inputs have one fixed structure (as for its disabled guards)
         dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
                                options={"emulate_precision_casts": True, "size_asserts": False,
