@@ -16,7 +16,8 @@ Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode an
   mean sessions of the drafter pass a drafting step drafted in (how well speculative rounds batch).
 - client_bytes_per_step / client_capture_bytes_per_step: bytes of session ops through the client per step, and
   the hidden-state captures among them (0: captures go target -> drafter only); draft_ahead_hit_rate: drafting
-  steps whose proposal was ready when the step began.
+  steps whose proposal was ready when the step began; from_chain_rate: those whose proposal was the rest of the
+  step before's chain (no drafter round).
 """
 
 from __future__ import annotations
@@ -357,6 +358,8 @@ def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
         "client_capture_bytes_per_step": sum(s.capture_bytes for s in stats) / steps if steps else 0.0,
         "draft_ahead_hit_rate": (sum(s.drafts_ready for s in stats) / sum(s.speculative_steps for s in stats)
                                  if any(s.speculative_steps for s in stats) else 0.0),
+        "from_chain_rate": (sum(s.drafts_from_chain for s in stats) / sum(s.speculative_steps for s in stats)
+                            if any(s.speculative_steps for s in stats) else 0.0),
     }
 
 

@@ -110,7 +110,8 @@ class SpecDecodeMetrics:
         self.verified_depth = prom.Histogram(f"{p}:verified_draft_depth", "Draft tokens verified per drafting step "
                                              "(the budget the planners chose).", buckets=TOKEN_BUCKETS, registry=r)
         self.draft_ahead = prom.Counter(f"{p}:draft_ahead", "Proposals drafted ahead, by whether they were ready "
-                                        "when their step began.", ["outcome"], registry=r)
+                                        "when their step began (chain: the rest of the step before's chain, no "
+                                        "round).", ["outcome"], registry=r)
         self.generation_tokens = prom.Counter(f"{p}:generation_tokens", "Generated tokens.", registry=r)
         self.prompt_tokens = prom.Counter(f"{p}:prompt_tokens", "Prompt tokens.", registry=r)
 
@@ -170,7 +171,8 @@ class SpecDecodeMetrics:
         elif report.draft_seconds:
             self.step_choices.labels(choice="cut_to_ar").inc()
         if drafted_ahead:
-            self.draft_ahead.labels(outcome="ready" if report.draft_ready else "late").inc()
+            outcome = "chain" if report.draft_from_chain else "ready" if report.draft_ready else "late"
+            self.draft_ahead.labels(outcome=outcome).inc()
 
     def watch_adaptive(self, summary: Callable[[], dict[int, dict[str, float | None]]]) -> None:
         """Export the adaptive mode's view (ModeChooser.summary), read at each scrape."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
 from dspark_grpc.speculation.round_planner import predicted_accepted
-from dspark_grpc.speculation.tensors import concat_rows, first_rows, float32_values
+from dspark_grpc.speculation.tensors import concat_rows, first_rows, float32_tensor, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
 
 
@@ -31,11 +31,24 @@ class FittedTree:
 
 @dataclass
 class NextStep:
-    """A step planned when the one before it committed: its arm and, drafted ahead, its round's ops and reply."""
+    """A step planned when the one before it committed: its arm and, drafted ahead, its round's ops and reply, or
+    the rest of the last chain as its proposal (`from_chain`: no round)."""
 
     arm: int
     ops: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
     reply: Future | None = None
+    from_chain: draft_pb2.Proposal | None = None
+
+
+@dataclass
+class ChainRest:
+    """What a chain cut by the round's plan left unverified: draft tokens depth+1.. with their confidences and
+    proposers (`depth`: the draft tokens that were verified)."""
+
+    depth: int
+    tokens: list[int]
+    confidences: list[float]
+    proposers: list[int]
 
 
 @dataclass
@@ -55,6 +68,7 @@ class SessionDrafting:
     last_arm: int | None = None  # AR or SPECULATE, as last planned
     switches: list[str] = field(default_factory=list)  # the arm changes not reported yet
     next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
+    rest: ChainRest | None = None  # of the chain the last step verified, if cut short
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,
@@ -86,7 +100,7 @@ class SessionDrafting:
     def rollback(self, length: int) -> None:
         """The target session was rolled back to `length` rows: the drafter's context follows (with the next
         round), and a proposal drafted ahead for the old position is dropped."""
-        self.next = None
+        self.next, self.rest = None, None
         if self.active:
             self.queued.append(draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(
                 session_id=self.session_id, length=length)))
@@ -142,14 +156,30 @@ class SessionDrafting:
         (speculation/round_planner.py)."""
         tree, kept = fit_tree(proposal.tree, room)
         proposers = [proposal.node_proposers[i] if i < len(proposal.node_proposers) else 0 for i in kept]
-        predicted, truncated = None, False
+        predicted, truncated, self.rest = None, False, None
         if round_depth is not None:
             values = chain_confidences(tree, proposal.confidences)
             if values is not None:
                 truncated = round_depth < len(values)
+                if truncated and not tree.HasField("child_token_ids"):  # greedy: no draft distributions to keep
+                    self.rest = ChainRest(round_depth, list(tree.tokens[round_depth + 1:]), values[round_depth:],
+                                          proposers[round_depth + 1:])
                 tree = cut_to_depth(tree, round_depth)
                 predicted = predicted_accepted(values, round_depth)
         return FittedTree(tree, proposers[: len(tree.tokens)], predicted, truncated)
+
+    def chain_ahead(self, accepted: int, next_token: int) -> draft_pb2.Proposal | None:
+        """The next step's proposal from the rest of the chain just verified, when it still holds: all of the
+        verified draft tokens were accepted and the target's next token is the chain's next one. The rest was then
+        drafted on exactly the tokens now committed (only their captures were unseen: the drafter had drafted those
+        rows itself), and the step needs no round; the captures go with the next one. Used once."""
+        rest, self.rest = self.rest, None
+        if rest is None or accepted != rest.depth or len(rest.tokens) < 2 or rest.tokens[0] != next_token:
+            return None
+        n = len(rest.tokens) - 1
+        return draft_pb2.Proposal(
+            tree=common_pb2.TokenTree(tokens=rest.tokens, parents=list(range(-1, n))),
+            confidences=float32_tensor(rest.confidences[1:]), node_proposers=[0, *rest.proposers[1:]])
 
     def new_switches(self) -> str:
         """The chooser's switches for this session since the last report."""

@@ -41,6 +41,12 @@ def float32_values(msg: common_pb2.Tensor) -> list[float]:
     return list(struct.unpack(f"<{len(msg.data) // 4}f", msg.data))
 
 
+def float32_tensor(values: list[float]) -> common_pb2.Tensor:
+    """A 1-d float32 tensor message."""
+    return common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[len(values)],
+                             data=struct.pack(f"<{len(values)}f", *values))
+
+
 def first_rows(msg: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
     """The first `rows` rows (along the first dimension) of a tensor message."""
     assert msg.shape and 0 <= rows <= msg.shape[0], (list(msg.shape), rows)

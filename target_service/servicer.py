@@ -176,21 +176,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         engine = self.engine
         if engine is None or not engine.cost_tables:
             return
-        chains = []
-        for job, reply in zip(jobs, replies, strict=True):
-            if reply.replies is None or not job.ops or job.ops[-1].WhichOneof("op") != "propose" or \
-                    reply.replies[-1].status.code:
-                continue
-            proposal = reply.replies[-1].proposal
-            values = chain_confidences(proposal.tree, proposal.confidences)
-            if values is not None:
-                chains.append((reply, values, 1))  # a session that drafted verifies at least one token
-        if chains:
-            costs = self._cost_tables(engine)[1]
-            depths = plan_depths([v for _, v, _ in chains], [m for _, _, m in chains], self.round_calibration.value,
-                                 costs.seconds)
-            for (reply, _, _), depth in zip(chains, depths, strict=True):
-                reply.depth = depth
+        drafted = [(reply, reply.replies[-1].proposal) for job, reply in zip(jobs, replies, strict=True)
+                   if reply.replies is not None and job.ops and job.ops[-1].WhichOneof("op") == "propose"
+                   and not reply.replies[-1].status.code]
+        for (reply, _), depth in zip(drafted, self._chain_depths([p for _, p in drafted]), strict=True):
+            reply.depth = depth
+
+    def _chain_depths(self, proposals: list[draft_pb2.Proposal]) -> list[int | None]:
+        """How much of each confident chain to verify when they verify in one forward (None: not a chain with
+        confidences); a session that drafted verifies at least one token."""
+        chains = [chain_confidences(p.tree, p.confidences) for p in proposals]
+        values = [v for v in chains if v is not None]
+        if not values:
+            return [None] * len(proposals)
+        depths = iter(plan_depths(values, [1] * len(values), self.round_calibration.value,
+                                  self._cost_tables(self.engine)[1].seconds))
+        return [None if v is None else next(depths) for v in chains]
 
     def _round_drafted(self, session_ids: list[str]) -> None:
         if self.engine is not None:
@@ -332,7 +333,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         proposers: list[int] = [0]
         predicted = reply_depth = draft_ids = draft_logprobs = None  # an AR step's tree has no draft distributions
         try:
-            if arm != AR and drafting.active:
+            if arm != AR and drafting.active and planned.from_chain is not None:
+                report.draft_ready = report.draft_from_chain = True
+                proposal = planned.from_chain
+                reply_depth = self._chain_depths([proposal])[0] if engine.cost_tables else None
+                fitted = drafting.fit(proposal, room, reply_depth)
+                tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
+                report.truncated = fitted.truncated
+            elif arm != AR and drafting.active:
                 if planned.reply is not None:  # drafted ahead
                     report.draft_ready = planned.reply.done()
                     ops, reply = planned.ops, planned.reply.result()
@@ -386,23 +394,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)
             more = committed.length + 1 < max_length and (not tokens_left or len(out.path) + 1 < tokens_left)
+            from_chain = drafting.chain_ahead(len(out.path) - 1, out.next_token)  # (the rest is for this step only)
             if self.draft_ahead and drafting.active and more:
-                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load)
+                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load, from_chain)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []
             if switches := drafting.new_switches():
                 reasons.append(switches)
             report.fallback_reason = "; ".join(reasons)
             if self.metrics is not None:
-                self.metrics.observe_step(report, planned is not None and planned.reply is not None)
+                self.metrics.observe_step(report, planned is not None and (planned.reply is not None
+                                                                           or planned.from_chain is not None))
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
 
-    def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int, load: int) -> NextStep:
-        """Plan the session's next step now and, if it drafts, ask for its proposal at once: the drafter works
-        while the reply travels to the client and its next Step comes back."""
+    def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int, load: int,
+                     from_chain: draft_pb2.Proposal | None) -> NextStep:
+        """Plan the session's next step now and, if it drafts, take `from_chain` (the rest of the chain just
+        verified, where it still holds: no round) or ask for its proposal at once: the drafter works while the
+        reply travels to the client and its next Step comes back."""
         arm = drafting.plan(load)
         if arm == AR:
             return NextStep(AR)
+        if from_chain is not None:
+            return NextStep(arm, from_chain=from_chain)
         ops = drafting.round_ops(anchor, position, arm)
         return NextStep(arm, ops, self.ahead.submit(self.rounds.submit, RoundJob(drafting, ops, verify_follows=False)))
 
