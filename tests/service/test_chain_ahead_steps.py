@@ -1,0 +1,123 @@
+"""The target's Step op verifying the rest of a chain without a drafter round (SessionDrafting.chain_ahead), on the
+real engine (the embedded SmolLM2, fast precision) without gRPC: the drafter is a scripted link that proposes the
+engine's own greedy continuation (an oracle, so every draft token is accepted), and a fake cost table makes the
+round's plan verify one draft token per step. So the rest of every chain holds, decided by the table, not timing."""
+
+from __future__ import annotations
+
+import pytest
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+from dspark_grpc.runtime.sessions import Owner
+from dspark_grpc.speculation.cost_table import CostKey, CostTable
+from dspark_grpc.speculation.tensors import float32_tensor
+from dspark_grpc.target_service.draft_rounds import DraftRounds
+from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+from dspark_grpc.target_service.servicer import TargetServicer
+
+PROMPT = common_pb2.Prompt(text="The capital of France is")
+NEW_TOKENS = 24
+CHAIN = 4  # draft tokens per proposal
+
+
+class OracleStream:
+    """Answers each round's proposals with the next CHAIN tokens of `greedy` (the engine's own AR continuation,
+    indexed by position), confident ones; records the rounds."""
+
+    def __init__(self, greedy: dict[int, int]) -> None:
+        self.greedy, self.rounds, self.ended = greedy, [], False
+
+    def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
+        self.rounds.append(request.round)
+        results = []
+        for op in request.round.ops:
+            kind = op.WhichOneof("op")
+            if kind == "propose":
+                p = op.propose
+                chain = [self.greedy[p.anchor_position + i] for i in range(1, CHAIN + 1)]
+                results.append(draft_pb2.DraftSessionResponse(proposal=draft_pb2.Proposal(
+                    tree=common_pb2.TokenTree(tokens=[p.anchor_token, *chain], parents=list(range(-1, CHAIN))),
+                    confidences=float32_tensor([0.9] * CHAIN), node_proposers=[0] + [draft_pb2.PROPOSER_DSPARK] * CHAIN,
+                    batch_sessions=1)))
+            elif kind == "open":
+                results.append(draft_pb2.DraftSessionResponse(opened=draft_pb2.DraftOpened(
+                    session_id=op.open.session_id)))
+            elif kind == "append":
+                results.append(draft_pb2.DraftSessionResponse(appended=draft_pb2.ContextAppended(
+                    length=op.append.start_position + len(op.append.tokens))))
+            else:
+                results.append(draft_pb2.DraftSessionResponse(released=draft_pb2.DraftReleased()))
+        return draft_pb2.DraftSessionResponse(request_id=request.request_id,
+                                              round=draft_pb2.DraftRoundResult(results=results))
+
+    def close(self) -> None:
+        self.ended = True
+
+
+class OracleLink:
+    down_reason = ""
+
+    def __init__(self, stream: OracleStream) -> None:
+        self.stream = stream
+        self.info = draft_pb2.GetDrafterInfoResponse(name="oracle", target_layer_ids=[1, 28],
+                                                     default_proposer=draft_pb2.PROPOSER_DSPARK)
+
+    def open_stream(self) -> OracleStream:
+        return self.stream
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path) -> TargetEngine:
+    return TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=512), progress=False, precision="fast")
+
+
+def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2.StepReport], list[int], int]:
+    """Open, prefill and step a session: (the tokens after the prompt, each step's report and the position of its
+    pending token, the prompt's length)."""
+    owner, ids = Owner("test"), iter(range(1, 1000))
+
+    def ok(**op):
+        response = servicer.handle(target_pb2.TargetSessionRequest(request_id=next(ids), **op), owner)
+        assert response.status.code == 0, response.status.message
+        return getattr(response, response.WhichOneof("result"))
+
+    sid = ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(mode=mode))).session_id
+    prefilled = ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    prompt_length = len(prefilled.prompt_tokens)
+    tokens, reports, positions = [prefilled.next_token], [], []
+    while len(tokens) < NEW_TOKENS:
+        positions.append(prompt_length + len(tokens) - 1)
+        stepped = ok(step=target_pb2.Step(session_id=sid))
+        tokens += [*stepped.tokens[1:], stepped.next_token]
+        reports.append(stepped.report)
+    ok(release=target_pb2.Release(session_id=sid))
+    return tokens[:NEW_TOKENS], reports, positions, prompt_length
+
+
+def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_output_is_ars(engine):
+    ar_servicer = TargetServicer(64 << 20)
+    ar_servicer.engine = engine
+    ar, _, _, prompt_length = run(ar_servicer, common_pb2.DECODE_MODE_AR)
+    greedy = {prompt_length + i: t for i, t in enumerate(ar)}
+    greedy.update({prompt_length + len(ar) + i: 0 for i in range(CHAIN + 2)})  # past what the test compares
+
+    key = CostKey(kind="verify", model="test", lanes=1)
+    engine.cost_tables = [CostTable(key, [1, 2, 3, 16], [1.0, 1.0, 10.0, 20.0])]  # a 2nd draft token never pays
+    try:
+        servicer = TargetServicer(64 << 20)
+        servicer.engine, stream = engine, OracleStream(greedy)
+        servicer.drafter = OracleLink(stream)
+        servicer.rounds = DraftRounds(servicer.drafter, None, servicer._round_drafted, servicer._plan_round)
+        spec, reports, positions, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION)
+    finally:
+        engine.cost_tables = []
+        servicer.rounds.close()
+    assert spec[: len(ar)] == ar
+    assert all(r.draft_depth == 1 and len(r.accepted_proposers) == 1 for r in reports), reports  # the plan: 1 token
+    from_chain = [r.draft_from_chain for r in reports]
+    # a round's chain [t1..t4] verifies t1; t2 is the bonus, so [t2, t3, t4] follows without a round and verifies
+    # t3; its rest [t4] has no draft after the bonus: a round again
+    assert from_chain[:4] == [False, True, False, True], from_chain
+    assert all(r.draft_ready for r, chained in zip(reports, from_chain, strict=True) if chained)
+    asked = {op.propose.anchor_position for rnd in stream.rounds for op in rnd.ops if op.WhichOneof("op") == "propose"}
+    # the drafter was asked for exactly the steps not from a chain (and maybe, ahead, for one after the last)
+    assert asked & set(positions) == {p for p, chained in zip(positions, from_chain, strict=True) if not chained}
