@@ -4,6 +4,7 @@ rounds' worker is held by an explicit gate while jobs queue, so what forms a rou
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
@@ -14,12 +15,17 @@ from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
 
 
-class FakeStream:
-    """Answers a DraftRound op by op: opens, appends, and a one-token proposal per propose."""
+def one_token(propose: draft_pb2.Propose) -> draft_pb2.Proposal:
+    return draft_pb2.Proposal(tree=common_pb2.TokenTree(tokens=[propose.anchor_token, 7], parents=[-1, 0]))
 
-    def __init__(self, fail: bool = False) -> None:
+
+class FakeStream:
+    """Answers a DraftRound op by op: opens, appends, and `proposal(op)` per propose (one token by default)."""
+
+    def __init__(self, fail: bool = False,
+                 proposal: Callable[[draft_pb2.Propose], draft_pb2.Proposal] = one_token) -> None:
         self.rounds: list[draft_pb2.DraftRound] = []
-        self.ended, self.fail = False, fail
+        self.ended, self.fail, self.proposal = False, fail, proposal
 
     def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
         if self.fail:
@@ -30,9 +36,9 @@ class FakeStream:
         for op in request.round.ops:
             kind = op.WhichOneof("op")
             if kind == "propose":
-                tree = common_pb2.TokenTree(tokens=[op.propose.anchor_token, 7], parents=[-1, 0])
-                results.append(draft_pb2.DraftSessionResponse(proposal=draft_pb2.Proposal(
-                    tree=tree, batch_sessions=proposals)))
+                proposal = self.proposal(op.propose)
+                proposal.batch_sessions = proposals
+                results.append(draft_pb2.DraftSessionResponse(proposal=proposal))
             elif kind == "open":
                 results.append(draft_pb2.DraftSessionResponse(opened=draft_pb2.DraftOpened(
                     session_id=op.open.session_id)))

@@ -14,54 +14,34 @@ from dspark_grpc.target_service.draft_rounds import DraftRounds
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
+from tests.test_draft_rounds import FakeStream
+
 PROMPT = common_pb2.Prompt(text="The capital of France is")
 NEW_TOKENS = 24
 CHAIN = 4  # draft tokens per proposal
 
 
-class OracleStream:
-    """Answers each round's proposals with the next CHAIN tokens of `greedy` (the engine's own AR continuation,
-    indexed by position), confident ones; records the rounds."""
+def oracle(greedy: dict[int, int]):
+    """Proposals of the next CHAIN tokens of `greedy` (the engine's own AR continuation, by position), confident."""
 
-    def __init__(self, greedy: dict[int, int]) -> None:
-        self.greedy, self.rounds, self.ended = greedy, [], False
+    def proposal(p: draft_pb2.Propose) -> draft_pb2.Proposal:
+        chain = [greedy[p.anchor_position + i] for i in range(1, CHAIN + 1)]
+        return draft_pb2.Proposal(
+            tree=common_pb2.TokenTree(tokens=[p.anchor_token, *chain], parents=list(range(-1, CHAIN))),
+            confidences=float32_tensor([0.9] * CHAIN), node_proposers=[0] + [draft_pb2.PROPOSER_DSPARK] * CHAIN)
 
-    def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
-        self.rounds.append(request.round)
-        results = []
-        for op in request.round.ops:
-            kind = op.WhichOneof("op")
-            if kind == "propose":
-                p = op.propose
-                chain = [self.greedy[p.anchor_position + i] for i in range(1, CHAIN + 1)]
-                results.append(draft_pb2.DraftSessionResponse(proposal=draft_pb2.Proposal(
-                    tree=common_pb2.TokenTree(tokens=[p.anchor_token, *chain], parents=list(range(-1, CHAIN))),
-                    confidences=float32_tensor([0.9] * CHAIN), node_proposers=[0] + [draft_pb2.PROPOSER_DSPARK] * CHAIN,
-                    batch_sessions=1)))
-            elif kind == "open":
-                results.append(draft_pb2.DraftSessionResponse(opened=draft_pb2.DraftOpened(
-                    session_id=op.open.session_id)))
-            elif kind == "append":
-                results.append(draft_pb2.DraftSessionResponse(appended=draft_pb2.ContextAppended(
-                    length=op.append.start_position + len(op.append.tokens))))
-            else:
-                results.append(draft_pb2.DraftSessionResponse(released=draft_pb2.DraftReleased()))
-        return draft_pb2.DraftSessionResponse(request_id=request.request_id,
-                                              round=draft_pb2.DraftRoundResult(results=results))
-
-    def close(self) -> None:
-        self.ended = True
+    return proposal
 
 
 class OracleLink:
     down_reason = ""
 
-    def __init__(self, stream: OracleStream) -> None:
+    def __init__(self, stream: FakeStream) -> None:
         self.stream = stream
         self.info = draft_pb2.GetDrafterInfoResponse(name="oracle", target_layer_ids=[1, 28],
                                                      default_proposer=draft_pb2.PROPOSER_DSPARK)
 
-    def open_stream(self) -> OracleStream:
+    def open_stream(self) -> FakeStream:
         return self.stream
 
 
@@ -104,7 +84,7 @@ def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_outpu
     engine.cost_tables = [CostTable(key, [1, 2, 3, 16], [1.0, 1.0, 10.0, 20.0])]  # a 2nd draft token never pays
     try:
         servicer = TargetServicer(64 << 20)
-        servicer.engine, stream = engine, OracleStream(greedy)
+        servicer.engine, stream = engine, FakeStream(proposal=oracle(greedy))
         servicer.drafter = OracleLink(stream)
         servicer.rounds = DraftRounds(servicer.drafter, None, servicer._round_drafted, servicer._plan_round)
         spec, reports, positions, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION)
