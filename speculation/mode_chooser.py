@@ -14,10 +14,13 @@ Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
 `interval` windows (it takes over if it wins by `margin`), the interval doubling (up to `max_interval`) each time
 the probe loses (quadrupling, up to 4 x `max_interval`, when it loses by far) and dropping back to `min_interval`
-when it wins. A bucket never
+when it wins. A bucket whose arms other sessions' steps measured already starts with the better one (a clear loser
+is first probed after `max_interval` windows: at high load one probe of it costs far more than its own steps, since
+every session of the forward switches, catches its drafter up and comes back unevenly). A bucket never
 measured starts from its neighbours (speculation pays less as load grows: a load that AR wins at fewer sessions
-starts with AR) or else with the arm that `predicted_speedup` favours (the target's cost table, the acceptance and
-drafting seconds measured at any load so far), and probes the other after its first window unless that was clear.
+starts with AR, probed as rarely as a clear loser) or else with the arm that `predicted_speedup` favours (the
+target's cost table, the acceptance and drafting seconds measured at any load so far), and probes the other after
+its first window unless that was clear.
 
 Speculation is lossless, so which arm runs never changes the output.
 """
@@ -178,10 +181,11 @@ class ModeChooser:
         if ar is not None and spec is not None:  # other sessions' steps measured both already
             b.arm = b.best = AR if ar >= spec else SPECULATE
             b.reason = f"measured {spec / ar:.2f}x AR speculating"
-            if abs(spec / ar - 1.0) > self.clear:  # a clear loser: probed as rarely as after a probe lost by far
-                b.interval = min(4 * self.min_interval, self.max_interval)
-        elif fewer:
+            if abs(spec / ar - 1.0) > self.clear:  # a clear loser: first probed after max_interval windows
+                b.interval = self.max_interval
+        elif fewer:  # speculation pays less as load grows: as clear as a measured loser
             b.arm = b.best = AR
+            b.interval = self.max_interval
             b.reason = f"AR measured better at {max(fewer)} sessions"
         elif more:
             b.arm = b.best = SPECULATE

@@ -126,6 +126,7 @@ def test_a_new_load_starts_from_its_neighbours():
     assert chooser.buckets[8].best == AR
     assert chooser.choose(16) == AR  # AR already wins at fewer sessions: no speculative first window at 16
     assert chooser.reason(16) == "AR at 16 sessions (AR measured better at 8 sessions)"
+    assert chooser.buckets[16].interval == chooser.max_interval  # and probed as rarely as a clear loser
     run(chooser, 1, 500, accepted=1)
     assert chooser.choose(2) == SPECULATE and chooser.buckets[2].best is None  # 1 speculates, 8 does not: measure
 
@@ -156,5 +157,19 @@ def test_a_clear_loser_measured_by_other_sessions_is_probed_rarely():
         chooser.observe(SPECULATE, 8, 1, 0.10)  # half AR's goodput
         chooser.observe(AR, 2, 1, 0.05)
         chooser.observe(SPECULATE, 2, 1, 0.055)  # about as fast: probed at the usual interval
-    assert chooser.choose(8) == AR and chooser.buckets[8].interval == 4 * chooser.min_interval
+    assert chooser.choose(8) == AR and chooser.buckets[8].interval == chooser.max_interval
     assert chooser.choose(2) == AR and chooser.buckets[2].interval == chooser.min_interval
+
+
+def test_the_first_probe_of_a_clear_loser_comes_after_max_interval_windows():
+    """At high load a probe switches every session of the forward: the first one waits as long as the interval
+    allows before backing off further."""
+    chooser = ModeChooser()
+    for _ in range(50):  # other sessions measured both arms at load 8: speculation at half AR's goodput
+        chooser.observe(AR, 8, 1, 0.05)
+        chooser.observe(SPECULATE, 8, 1, 0.10)
+    ar_tokens = 0
+    while chooser.choose(8) == AR:
+        chooser.observe(AR, 8, 1, 0.05)
+        ar_tokens += 1
+    assert ar_tokens == chooser.max_interval * chooser.window_tokens(8)
