@@ -383,10 +383,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             epoch, running = engine.prefill_state()
             self.step_ended[sid] = (t2, arm_now, epoch)
             # a session's first step in another arm is a switch, not a sample; a step that waited for another
-            # session's prompt measures the prompt, not the arm (both arms wait for them alike)
+            # session's prompt measures the prompt, not the arm (both arms wait for them alike). A sample goes to
+            # the sessions live now, not to `load` (the most in the last second, which decides): the tail of a run,
+            # fewer sessions and faster steps, would otherwise raise the rate of whichever arm ran it at the load
+            # before, and fool the next comparison there.
             if arm_before in (None, arm_now) and epoch == epoch_before and not running:
-                self.chooser.observe(arm_now, load, len(out.path), t2 - started, len(out.path) - 1, len(tree.tokens),
-                                     report.draft_seconds)
+                self.chooser.observe(arm_now, len(engine.sessions), len(out.path), t2 - started, len(out.path) - 1,
+                                     len(tree.tokens), report.draft_seconds)
         if drafting is not None:
             layers = engine.sessions.get(sid).capture_layers
             drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))

@@ -139,3 +139,11 @@ def health_status(address: str, service: str = SERVICE) -> int:
 
 def assert_serving(address: str) -> None:
     assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def fast_engine(smollm2_path):
+    """The embedded SmolLM2 in the fast precision, in this process (no service), for servicer tests without gRPC."""
+    from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+
+    return TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=512), progress=False, precision="fast")

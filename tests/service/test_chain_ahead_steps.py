@@ -5,13 +5,11 @@ round's plan verify one draft token per step. So the rest of every chain holds, 
 
 from __future__ import annotations
 
-import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.runtime.sessions import Owner
 from dspark_grpc.speculation.cost_table import CostKey, CostTable
 from dspark_grpc.speculation.tensors import float32_tensor
 from dspark_grpc.target_service.draft_rounds import DraftRounds
-from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
 from tests.test_draft_rounds import FakeStream
@@ -45,11 +43,6 @@ class OracleLink:
         return self.stream
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_path) -> TargetEngine:
-    return TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=512), progress=False, precision="fast")
-
-
 def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2.StepReport], list[int], int]:
     """Open, prefill and step a session: (the tokens after the prompt, each step's report and the position of its
     pending token, the prompt's length)."""
@@ -73,7 +66,8 @@ def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2
     return tokens[:NEW_TOKENS], reports, positions, prompt_length
 
 
-def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_output_is_ars(engine):
+def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_output_is_ars(fast_engine):
+    engine = fast_engine
     ar_servicer = TargetServicer(64 << 20)
     ar_servicer.engine = engine
     ar, _, _, prompt_length = run(ar_servicer, common_pb2.DECODE_MODE_AR)
