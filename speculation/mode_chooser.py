@@ -6,9 +6,10 @@ cores competes with the target. What that costs depends on the load, the machine
 the chooser measures instead of predicting. Every step a session runs with the target's drafter or without it, in
 any mode, is a sample of its arm (AR or SPECULATE) at its load bucket (of the sessions live when it ended): the
 tokens it committed and the seconds since the same session's previous step ended (the drafter's wait, the verify,
-the round trip: all a session waits for); a session's first step in the other arm pays for the switch and is left out, as is a step that waited for another
-session's prompt (the target feeds the samples). A session's goodput with an arm is the ratio of the EMAs of the
-two; at a fixed load the target's goodput is that times the load, so the arms compare by it.
+the round trip: all a session waits for); a session's first step in the other arm pays for the switch and is left
+out, as is a step that waited for another session's prompt (the target feeds the samples). A session's goodput with
+an arm is the ratio of the EMAs of the two; at a fixed load the target's goodput is that times the load, so the arms
+compare by it.
 
 Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed tokens (so a window of the slower
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
