@@ -21,7 +21,7 @@ every session of the forward switches, catches its drafter up and comes back une
 measured starts from its neighbours (speculation pays less as load grows: a load that AR wins at fewer sessions
 starts with AR, probed as rarely as a clear loser) or else with the arm that `predicted_speedup` favours (the
 target's cost table, the acceptance and drafting seconds measured at any load so far), and probes the other after
-its first window unless that was clear.
+its first window unless that was clear (a clearly predicted loser too is first probed after `max_interval`).
 
 Speculation is lossless, so which arm runs never changes the output.
 """
@@ -194,6 +194,8 @@ class ModeChooser:
         elif predicted is not None:
             b.arm = AR if predicted < 1.0 else SPECULATE
             b.best = b.arm if abs(predicted - 1.0) > self.clear else None
+            if b.best == AR:  # a clear loser by the prediction: probed as rarely as a measured one
+                b.interval = self.max_interval
             b.reason = f"predicted {predicted:.2f}x AR"
         else:  # nothing to go by: speculate first (AR is measured as soon as speculation loses)
             b.arm, b.reason = SPECULATE, "first try"

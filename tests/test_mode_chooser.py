@@ -54,6 +54,7 @@ def test_the_prediction_flips_from_speculation_to_ar_as_sessions_grow():
     assert chooser.predicted_speedup(8) == pytest.approx(2 * 0.100 / 0.264)
     assert chooser.choose(1) == SPECULATE
     assert chooser.choose(8) == AR  # a load never measured starts where the cost table says
+    assert chooser.buckets[8].interval == chooser.max_interval  # a clear loser there (0.76x): probed rarely
 
 
 @pytest.mark.parametrize("load", [1, 8])
