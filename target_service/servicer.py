@@ -173,9 +173,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _plan_round(self, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
         """Cut the round's confident chains together (speculation/round_planner.py), from the start-up cost tables."""
-        engine = self.engine
-        if engine is None or not engine.cost_tables:
-            return
         drafted = [(reply, reply.replies[-1].proposal) for job, reply in zip(jobs, replies, strict=True)
                    if reply.replies is not None and job.ops and job.ops[-1].WhichOneof("op") == "propose"
                    and not reply.replies[-1].status.code]
@@ -187,7 +184,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         confidences); a session that drafted verifies at least one token."""
         chains = [chain_confidences(p.tree, p.confidences) for p in proposals]
         values = [v for v in chains if v is not None]
-        if not values:
+        if not values or self.engine is None or not self.engine.cost_tables:
             return [None] * len(proposals)
         depths = iter(plan_depths(values, [1] * len(values), self.round_calibration.value,
                                   self._cost_tables(self.engine)[1].seconds))
@@ -333,27 +330,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         proposers: list[int] = [0]
         predicted = reply_depth = draft_ids = draft_logprobs = None  # an AR step's tree has no draft distributions
         try:
-            if arm != AR and drafting.active and planned.from_chain is not None:
-                report.draft_ready = report.draft_from_chain = True
-                proposal = planned.from_chain
-                reply_depth = self._chain_depths([proposal])[0] if engine.cost_tables else None
-                fitted = drafting.fit(proposal, room, reply_depth)
-                tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
-                report.truncated = fitted.truncated
-            elif arm != AR and drafting.active:
-                if planned.reply is not None:  # drafted ahead
-                    report.draft_ready = planned.reply.done()
-                    ops, reply = planned.ops, planned.reply.result()
+            if arm != AR and drafting.active:
+                if planned.from_chain is not None:  # the rest of the last chain: no round
+                    report.draft_ready = report.draft_from_chain = True
+                    proposal = planned.from_chain
+                    reply_depth = self._chain_depths([proposal])[0]
                 else:
-                    ops = drafting.round_ops(pending, length, arm)
-                    reply = self.rounds.submit(RoundJob(drafting, ops))
-                proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
-                if reply.replies is None:
-                    drafting.fail(reply.error)
-                reply_depth = reply.depth
-                report.draft_seconds = time.perf_counter() - t0
+                    if planned.reply is not None:  # drafted ahead
+                        report.draft_ready = planned.reply.done()
+                        ops, reply = planned.ops, planned.reply.result()
+                    else:
+                        ops = drafting.round_ops(pending, length, arm)
+                        reply = self.rounds.submit(RoundJob(drafting, ops))
+                    proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
+                    if reply.replies is None:
+                        drafting.fail(reply.error)
+                    reply_depth = reply.depth
+                    report.draft_seconds = time.perf_counter() - t0
                 if proposal is not None:
-                    fitted = drafting.fit(proposal, room, reply.depth)
+                    fitted = drafting.fit(proposal, room, reply_depth)
                     try:
                         draft_ids, draft_logprobs = _check_tree_tensors(fitted.tree)
                     except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
