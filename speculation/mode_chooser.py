@@ -15,9 +15,11 @@ Per bucket one arm runs at a time, in windows of `window_tokens(load)` committed
 arm does not last much longer): the better measured arm runs, and the other is probed with one window after
 `interval` windows (it takes over if it wins by `margin`), the interval doubling (up to `max_interval`) each time
 the probe loses (quadrupling, up to 4 x `max_interval`, when it loses by far) and dropping back to `min_interval`
-when it wins. A bucket whose arms other sessions' steps measured already starts with the better one (a clear loser
-is first probed after `max_interval` windows: at high load one probe of it costs far more than its own steps, since
-every session of the forward switches, catches its drafter up and comes back unevenly). A bucket never
+when it wins (to `max_interval` when the arm it displaced lost by far: a first try of speculation that the AR
+probe beats clearly is not tried again a few windows later). A bucket whose arms other sessions' steps measured
+already starts with the better one (a clear loser is first probed after `max_interval` windows: at high load one
+probe of it costs far more than its own steps, since every session of the forward switches, catches its drafter up
+and comes back unevenly). A bucket never
 measured starts from its neighbours (speculation pays less as load grows: a load that AR wins at fewer sessions
 starts with AR, probed as rarely as a clear loser) or else with the arm that `predicted_speedup` favours (the
 target's cost table, the acceptance and drafting seconds measured at any load so far), and probes the other after
@@ -219,11 +221,11 @@ class ModeChooser:
             elif ratio > self.margin or ratio < 1.0 / self.margin:
                 best = SPECULATE if ratio > 1.0 else AR
             b.reason = f"measured {ratio:.2f}x AR speculating"
-            if b.probing and best == b.arm:  # the probe won
-                b.interval = self.min_interval
+            deficit = 1.0 - min(rates[AR], rates[SPECULATE]) / max(rates[AR], rates[SPECULATE])
+            far = deficit > self.clear  # a clear loser backs off further: each probe of it costs that much
+            if b.probing and best == b.arm:  # the probe won: the arm it displaced is probed soon, unless it lost by far
+                b.interval = self.max_interval if far else self.min_interval
             elif b.probing:  # lost: probe less often, much less if it lost by far
-                deficit = 1.0 - min(rates[AR], rates[SPECULATE]) / max(rates[AR], rates[SPECULATE])
-                far = deficit > self.clear  # a clear loser backs off further: each probe of it costs that much
                 b.interval = min(b.interval * (4 if far else 2), self.max_interval * (4 if far else 1))
         assert best is not None
         b.best = best

@@ -174,3 +174,22 @@ def test_the_first_probe_of_a_clear_loser_comes_after_max_interval_windows():
         chooser.observe(AR, 8, 1, 0.05)
         ar_tokens += 1
     assert ar_tokens == chooser.max_interval * chooser.window_tokens(8)
+
+
+@pytest.mark.parametrize(("spec_seconds", "windows"), [(0.10, 32), (0.052, 4)])
+def test_a_first_try_that_the_ar_probe_beats_by_far_waits_max_interval(spec_seconds, windows):
+    """A bucket with nothing to go by speculates first, then probes AR. If AR wins by far (speculation at half its
+    goodput), speculation is next tried after max_interval windows of AR; if it wins narrowly, after min_interval."""
+    chooser = ModeChooser()
+    steps = {AR: 0, SPECULATE: 0}
+    arms = []
+    while len(arms) < 200 * chooser.window_tokens(1):
+        arm = chooser.choose(1)
+        chooser.observe(arm, 1, 1, 0.05 if arm == AR else spec_seconds)  # one token per step in either arm
+        steps[arm] += 1
+        arms.append(arm)
+    first_try = arms.index(AR)
+    assert first_try == chooser.window_tokens(1)  # the first window speculated
+    second_try = arms.index(SPECULATE, first_try)
+    # the AR probe's window, then `windows` windows of AR
+    assert second_try - first_try == (1 + windows) * chooser.window_tokens(1)
