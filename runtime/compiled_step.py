@@ -301,7 +301,15 @@ class CompiledStep:
         outputs, row, offset = [], 0, 0
         for b, rows in zip(batch, logit_rows, strict=True):
             T = b.tokens.shape[0]
-            captures = hidden[row : row + T, list(b.capture_layers)] if b.capture_layers else None
+            captures = hidden[row : row + T].index_select(1, _layer_index(b.capture_layers)) \
+                if b.capture_layers else None
             outputs.append(ForwardOutput(logits[offset : offset + len(rows)], captures))
             row, offset = row + T, offset + len(rows)
         return outputs
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_index(layers: tuple[int, ...]) -> torch.Tensor:
+    """The capture layers as an index tensor, made once per layer set (index_select: a list index is advanced
+    indexing, slower on the few rows of a step)."""
+    return torch.tensor(layers, dtype=torch.long)

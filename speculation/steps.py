@@ -10,9 +10,10 @@ target to the drafter only; the client sees token ids and the StepReport.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.mode_chooser import AR, ModeChooser
@@ -52,6 +53,15 @@ class ChainRest:
 
 
 @dataclass
+class UnsentRows:
+    """Committed rows not yet sent to the drafter: from `start`, their tokens and captures (in the target's form)."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)
+
+
+@dataclass
 class SessionDrafting:
     """The target's side of one session's draft session (one id on both services)."""
 
@@ -69,6 +79,10 @@ class SessionDrafting:
     switches: list[str] = field(default_factory=list)  # the arm changes not reported yet
     next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
     rest: ChainRest | None = None  # of the chain the last step verified, if cut short
+    # Rows committed since the last round, as the target keeps them (`append_rows`): encoded into one capture by
+    # `encode_rows(start, rows)` when the round is built, not at every step (an AR stretch sends one append).
+    encode_rows: Callable[[int, list[Any]], common_pb2.HiddenCapture] | None = None
+    unsent: UnsentRows | None = None
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,
@@ -92,16 +106,39 @@ class SessionDrafting:
         """Committed rows for the drafter: sent with the session's next round."""
         if not self.active:
             return
+        self._send_unsent()
         op = draft_pb2.AppendContext(session_id=self.session_id, start_position=start, tokens=tokens)
         if capture is not None and capture.layer_ids:  # prompt lookup alone takes token ids only
             op.capture.CopyFrom(capture)
         self.queued.append(draft_pb2.DraftSessionRequest(append=op))
+
+    def append_rows(self, start: int, tokens: list[int], rows: Any) -> None:
+        """Committed rows for the drafter with their captures as the target holds them (`rows`: opaque here, one
+        entry per token), encoded by `encode_rows` with those committed after them when the next round is built."""
+        assert self.encode_rows is not None
+        if not self.active:
+            return
+        if self.unsent is not None and start != self.unsent.start + len(self.unsent.tokens):
+            self._send_unsent()
+        if self.unsent is None:
+            self.unsent = UnsentRows(start)
+        self.unsent.tokens.extend(tokens)
+        self.unsent.rows.append(rows)
+
+    def _send_unsent(self) -> None:
+        unsent, self.unsent = self.unsent, None
+        if unsent is not None:
+            assert self.encode_rows is not None
+            self.queued.append(draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(
+                session_id=self.session_id, start_position=unsent.start, tokens=unsent.tokens,
+                capture=self.encode_rows(unsent.start, unsent.rows))))
 
     def rollback(self, length: int) -> None:
         """The target session was rolled back to `length` rows: the drafter's context follows (with the next
         round), and a proposal drafted ahead for the old position is dropped."""
         self.next, self.rest = None, None
         if self.active:
+            self._send_unsent()
             self.queued.append(draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(
                 session_id=self.session_id, length=length)))
 
@@ -128,6 +165,7 @@ class SessionDrafting:
             # rejection sampling to stay exact, and fresh at every step: a per-position seed.
             sampling = common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                                  top_k=sampling.top_k, seed=draft_seed(sampling.seed, position))
+        self._send_unsent()
         ops, self.queued = joined_appends(self.queued), []
         self.opened = True
         ops.append(draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(

@@ -347,8 +347,11 @@ class TargetEngine:
         emitted = [tree.tokens[n] for n in path[1:]] + [next_token]
         s.tokens = s.tokens[:start] + [tree.tokens[n] for n in path] + [next_token]
         assert len(s.tokens) == s.cache.length + 1
-        # index_select, not captures[path]: advanced indexing opens an OpenMP team even on a few rows
-        captures = tree.captures.index_select(0, torch.tensor(path)) if tree.captures is not None else None
+        # index_select, not captures[path]: advanced indexing opens an OpenMP team even on a few rows; an AR step's
+        # path is its one row, kept as it is
+        captures = tree.captures
+        if captures is not None and path != list(range(captures.shape[0])):
+            captures = captures.index_select(0, torch.tensor(path))
         texts = [s.decoder.add(t) for t in emitted]
         return Committed(start, captures, emitted, texts, s.cache.length)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from dspark_grpc.runtime.sampling import SamplingParams
 from dspark_grpc.runtime.security import principal_of
 from dspark_grpc.runtime.serving import check_enum, log_refusal, run_session_op, session_stream, status_code
 from dspark_grpc.runtime.sessions import Owner
-from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, to_proto
+from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, rows_to_proto, to_proto
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.speculation.cost_table import VerifyCosts
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
@@ -82,6 +83,13 @@ def capture_to_proto(layers: tuple[int, ...], start: int, rows: torch.Tensor | N
         return None
     assert rows.dim() == 3 and rows.shape[1] == len(layers)
     return common_pb2.HiddenCapture(layer_ids=layers, start_position=start, rows=to_proto(rows.to(torch.bfloat16)))
+
+
+def captures_to_proto(layers: tuple[int, ...], start: int, parts: list[torch.Tensor]) -> common_pb2.HiddenCapture:
+    """The captures of consecutive commits ([n_i, L, H] each, from row `start` on) as one message."""
+    assert layers and all(p.dim() == 3 and p.shape[1] == len(layers) for p in parts)
+    return common_pb2.HiddenCapture(layer_ids=layers, start_position=start,
+                                    rows=rows_to_proto([p.to(torch.bfloat16) for p in parts]))
 
 
 def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
@@ -302,8 +310,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if info is not None:
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
-            self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
-                                                       self.rounds.generation)
+            drafting = self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
+                                                                  self.rounds.generation)
+            drafting.encode_rows = functools.partial(captures_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
             fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
@@ -386,8 +395,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.chooser.observe(arm_now, len(engine.sessions), len(out.path), t2 - started, len(out.path) - 1,
                                      len(tree.tokens), report.draft_seconds)
         if drafting is not None:
-            layers = engine.sessions.get(sid).capture_layers
-            drafting.append(committed.start, path_tokens, capture_to_proto(layers, committed.start, committed.captures))
+            if committed.captures is not None and engine.sessions.get(sid).capture_layers:
+                drafting.append_rows(committed.start, path_tokens, committed.captures)  # encoded with the next round
+            else:
+                drafting.append(committed.start, path_tokens, None)
             report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
             if predicted is not None and reply_depth is not None:
                 self.round_calibration.observe(predicted, len(out.path) - 1)

@@ -13,7 +13,7 @@ import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2
 from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.sessions import Owner, SessionStore
-from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.runtime.tensor_codec import from_proto, rows_to_proto, to_proto
 from dspark_grpc.speculation.generation import StopStrings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,14 @@ def test_tensor_round_trip(dtype):
     assert len(msg.data) == t.numel() * t.element_size() and list(msg.shape) == [3, 5, 2]
     assert torch.equal(from_proto(msg), t)
     assert from_proto(to_proto(torch.empty(0, 4, dtype=dtype))).shape == (0, 4)
+
+
+def test_rows_joined_on_the_wire_equal_the_joined_tensor():
+    parts = [torch.randn(n, 3, 4).to(torch.bfloat16) for n in (1, 2, 1)]
+    joined = rows_to_proto(parts)
+    assert joined == to_proto(torch.cat(parts))
+    assert torch.equal(from_proto(joined), torch.cat(parts))
+    assert rows_to_proto(parts[:1]) == to_proto(parts[0])
 
 
 def test_tensor_bytes_are_little_endian_row_major():
