@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from dspark_grpc.protos.dspark.v1 import draft_pb2
@@ -56,10 +57,17 @@ class DraftRounds:
     def submit(self, job: RoundJob) -> RoundReply:
         return self.batcher.submit(job)[0]
 
-    def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest) -> None:
-        """Release a draft session without waiting (it goes with the next round, or alone)."""
-        threading.Thread(target=self.submit, args=(RoundJob(drafting, [op], False),), name="draft-release",
-                         daemon=True).start()
+    def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest,
+                after: Future | None = None) -> None:
+        """Release a draft session without waiting (it goes with the next round, or alone); after `after`, the
+        session's round drafted ahead if one is under way (a release that overtook it would leave its ops to a
+        session the drafter no longer has)."""
+        def run() -> None:
+            if after is not None:
+                wait([after])
+            self.submit(RoundJob(drafting, [op], False))
+
+        threading.Thread(target=run, name="draft-release", daemon=True).start()
 
     def close(self) -> None:
         self.batcher.close()

@@ -168,7 +168,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.step_ended.pop(session_id, None)
         drafting = self.drafting.pop(session_id, None)
         if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
-            self.rounds.release(drafting, op)
+            self.rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
 
     def _cost_tables(self, engine: TargetEngine) -> tuple[list[common_pb2.CostTable], VerifyCosts]:
         """The engine's start-up cost tables as the wire carries them and as the planners read them (built once per

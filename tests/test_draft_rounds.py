@@ -149,3 +149,35 @@ def test_the_rows_of_consecutive_steps_reach_the_drafter_as_one_append():
     assert list(joined.capture.layer_ids) == [1, 3] and joined.capture.start_position == 0
     assert torch.equal(from_proto(joined.capture.rows, "rows"), torch.cat(parts))
     assert (ops[3].append.start_position, list(ops[3].append.tokens)) == (5, [10])
+
+
+def test_a_release_waits_for_the_round_drafted_ahead_for_its_session():
+    """A request that ends (EOS) right after its last step was drafted ahead: the release goes to the drafter after
+    that round, never before it (the drafter would refuse the round's ops for a session it no longer has)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    link = FakeLink()
+    rounds = DraftRounds(link, 10.0)
+    s = drafting("a")
+    run_round(rounds, [s])  # the session's first round opens it
+    gate, held = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker.start()
+    held.wait(10)
+    ahead_submitted: Future = Future()  # the servicer's draft-ahead future, before its job reached the rounds
+    rounds.release(s, s.finish(), after=ahead_submitted)
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(rounds.submit, RoundJob(s, s.round_ops(anchor=5, position=4, proposer=1), False))
+        while rounds.batcher.queued() < 1:
+            threading.Event().wait(0.005)
+        gate.set()
+        ahead_submitted.set_result(ahead.result(10))
+    blocker.join(10)
+    stream = link.streams[-1]
+    for _ in range(2000):  # until the release's round arrives (no timing asserted)
+        if len(stream.rounds) == 3:
+            break
+        threading.Event().wait(0.005)
+    kinds = [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds]
+    assert kinds == [["open", "propose"], ["propose"], ["release"]]
+    rounds.close()
