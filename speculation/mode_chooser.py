@@ -24,6 +24,8 @@ measured starts from its neighbours (speculation pays less as load grows: a load
 starts with AR, probed as rarely as a clear loser) or else with the arm that `predicted_speedup` favours (the
 target's cost table, the acceptance and drafting seconds measured at any load so far), and probes the other after
 its first window unless that was clear (a clearly predicted loser too is first probed after `max_interval`).
+Nor is a bucket probed while a neighbour settles it: AR measured better at fewer sessions (or speculation at more)
+wins there too, so its probe could only lose.
 
 Speculation is lossless, so which arm runs never changes the output.
 """
@@ -230,10 +232,24 @@ class ModeChooser:
         assert best is not None
         b.best = best
         b.since_probe = 0 if b.probing else b.since_probe + 1
-        if not b.probing and b.since_probe >= b.interval:
+        if not b.probing and b.since_probe >= b.interval and (why := self._settled_by_neighbours(load, best)):
+            b.since_probe, b.reason = 0, why  # a probe here could only lose: not run (while the neighbour holds)
+            b.arm, b.probing = best, False
+        elif not b.probing and b.since_probe >= b.interval:
             b.arm, b.probing, b.reason = (SPECULATE if best == AR else AR), True, f"probe ({b.reason})"
         else:
             b.arm, b.probing = best, False
+
+    def _settled_by_neighbours(self, load: int, best: int) -> str:
+        """Why probing the other arm at `load` is pointless ("" if it is not): speculation pays less as load grows,
+        so AR measured better at fewer sessions wins here too, as speculation measured better at more sessions
+        does. At high load a probe switches every session of the forward and costs far more than its own steps."""
+        n = load_bucket(load)
+        if best == AR:
+            fewer = [m for m, o in self.buckets.items() if m < n and o.best == AR]
+            return f"AR measured better at {max(fewer)} sessions" if fewer else ""
+        more = [m for m, o in self.buckets.items() if m > n and o.best == SPECULATE]
+        return f"speculation measured better at {min(more)} sessions" if more else ""
 
     def summary(self) -> dict[int, dict[str, float | None]]:
         """Per load bucket: each arm's measured tokens per second per session, speculation's measured and

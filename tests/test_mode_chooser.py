@@ -193,3 +193,28 @@ def test_a_first_try_that_the_ar_probe_beats_by_far_waits_max_interval(spec_seco
     second_try = arms.index(SPECULATE, first_try)
     # the AR probe's window, then `windows` windows of AR
     assert second_try - first_try == (1 + windows) * chooser.window_tokens(1)
+
+
+def test_a_load_above_one_where_ar_won_is_not_probed_while_that_holds():
+    """Speculation pays less as load grows: while AR is measured better at 1 session, a probe of speculation at 8
+    could only lose (and at 8 it switches every session of the forward), so none runs; once speculation wins at 1,
+    8 probes again."""
+    chooser = ModeChooser()
+    for _ in range(50):  # load 1 measured: speculation at half AR's goodput
+        chooser.observe(AR, 1, 1, 0.05)
+        chooser.observe(SPECULATE, 1, 1, 0.10)
+    assert chooser.choose(1) == AR
+    window = chooser.window_tokens(8)
+    for _ in range(4 * chooser.max_interval * window):  # longer than any probe interval
+        assert chooser.choose(8) == AR
+        chooser.observe(AR, 8, 1, 0.05)
+    assert chooser.reason(8) == "AR at 8 sessions (AR measured better at 1 sessions)"
+    while chooser.buckets[1].best == AR:  # speculation now wins at 1 (its probes measure it)
+        arm = chooser.choose(1)
+        chooser.observe(arm, 1, 3 if arm == SPECULATE else 1, 0.06 if arm == SPECULATE else 0.05)
+    arms = []
+    for _ in range(2 * chooser.max_interval * window):
+        arms.append(chooser.choose(8))
+        chooser.observe(arms[-1], 8, 1, 0.05 if arms[-1] == AR else 0.10)
+    assert SPECULATE in arms  # probed again (and lost: speculation at 8 is measured at half AR's goodput)
+    assert chooser.buckets[8].best == AR
