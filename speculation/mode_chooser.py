@@ -24,8 +24,8 @@ measured starts from its neighbours (speculation pays less as load grows: a load
 starts with AR, probed as rarely as a clear loser) or else with the arm that `predicted_speedup` favours (the
 target's cost table, the acceptance and drafting seconds measured at any load so far), and probes the other after
 its first window unless that was clear (a clearly predicted loser too is first probed after `max_interval`).
-Nor is a bucket probed while a neighbour settles it: AR measured better at fewer sessions (or speculation at more)
-wins there too, so its probe could only lose.
+A clear loser's probe lasts a quarter window. Nor is a bucket probed while a neighbour settles it: AR measured
+better at fewer sessions (or speculation at more) wins there too, so its probe could only lose.
 
 Speculation is lossless, so which arm runs never changes the output.
 """
@@ -213,7 +213,7 @@ class ModeChooser:
         if rates[other] is None and b.best is None:  # nothing says which is better: measure the other now
             b.arm, b.probing, b.reason = other, True, "probe"
             return
-        best = b.best
+        best, far = b.best, False
         if rates[AR] is not None and rates[SPECULATE] is not None:
             ratio = rates[SPECULATE] / rates[AR]
             # the other arm must win by `margin` to take over: arms about as fast would swap every window, and a
@@ -237,6 +237,8 @@ class ModeChooser:
             b.arm, b.probing = best, False
         elif not b.probing and b.since_probe >= b.interval:
             b.arm, b.probing, b.reason = (SPECULATE if best == AR else AR), True, f"probe ({b.reason})"
+            if far:  # a clear loser's probe checks that it still loses: a quarter window (its samples are EMAs anyway)
+                b.window_left = max(1, b.window_left // 4)
         else:
             b.arm, b.probing = best, False
 

@@ -218,3 +218,19 @@ def test_a_load_above_one_where_ar_won_is_not_probed_while_that_holds():
         chooser.observe(arms[-1], 8, 1, 0.05 if arms[-1] == AR else 0.10)
     assert SPECULATE in arms  # probed again (and lost: speculation at 8 is measured at half AR's goodput)
     assert chooser.buckets[8].best == AR
+
+
+@pytest.mark.parametrize(("spec_seconds", "quarter"), [(0.10, True), (0.052, False)])
+def test_a_clear_losers_probe_lasts_a_quarter_window(spec_seconds, quarter):
+    """A probe of an arm measured far behind (speculation at half AR's goodput) only checks that it still loses: a
+    quarter of the window; one about as fast gets the whole window."""
+    chooser = ModeChooser()
+    arms = []
+    for _ in range(40 * chooser.window_tokens(2)):
+        arm = chooser.choose(2)
+        chooser.observe(arm, 2, 1, 0.05 if arm == AR else spec_seconds)  # one token per step in either arm
+        arms.append(arm)
+    first_try = arms.index(AR)  # the first window speculated, then AR was probed and won
+    probe = arms.index(SPECULATE, first_try)
+    length = arms.index(AR, probe) - probe
+    assert length == (chooser.window_tokens(2) // 4 if quarter else chooser.window_tokens(2))
