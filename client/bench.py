@@ -473,6 +473,11 @@ def plot_bench(result: dict, path: str | Path):
                 accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=label, color=colors[mode],
                             linestyle=styles[i % len(styles)])
     accept.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if accept.lines:  # whole positions, also when only position 1 was ever drafted (matplotlib pads a lone point)
+        deepest = max(len(line.get_xdata()) for line in accept.lines)
+        accept.set_xlim(0.5, deepest + 0.5)
+        if deepest <= 16:
+            accept.set_xticks(range(1, deepest + 1))
     accept.set(xlabel="draft position (depth in the chain or tree)", ylabel="accepted / drafted at that position",
                ylim=(-0.03, 1.03), title="per-position acceptance")
     block = config.get("drafter_info", {}).get("block_size")
