@@ -26,21 +26,22 @@ def proto_dtype(dtype: torch.dtype) -> int:
 
 
 def to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    t = t.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return common_pb2.Tensor(dtype=_PROTO_DTYPE[t.dtype], shape=list(t.shape), data=data)
+    return rows_to_proto([t])
 
 
 def rows_to_proto(parts: Sequence[torch.Tensor]) -> common_pb2.Tensor:
     """Tensors of one dtype and row shape as one message, joined along the first dimension (their bytes joined: no
     torch.cat, whose parallel copy would give the calling request thread an OpenMP team of its own)."""
-    if len(parts) == 1:
-        return to_proto(parts[0])
     first = parts[0]
-    assert parts and all(p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
-    data = b"".join(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
-    return common_pb2.Tensor(dtype=_PROTO_DTYPE[first.dtype], shape=[sum(p.shape[0] for p in parts),
-                                                                     *first.shape[1:]], data=data)
+    assert all(p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
+    data = b"".join(_raw_bytes(p) for p in parts)
+    shape = [sum(p.shape[0] for p in parts), *first.shape[1:]] if first.dim() else []
+    return common_pb2.Tensor(dtype=_PROTO_DTYPE[first.dtype], shape=shape, data=data)
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def from_proto(msg: common_pb2.Tensor, what: str = "tensor") -> torch.Tensor:

@@ -232,15 +232,16 @@ class ModeChooser:
         assert best is not None
         b.best = best
         b.since_probe = 0 if b.probing else b.since_probe + 1
-        if not b.probing and b.since_probe >= b.interval and (why := self._settled_by_neighbours(load, best)):
-            b.since_probe, b.reason = 0, why  # a probe here could only lose: not run (while the neighbour holds)
-            b.arm, b.probing = best, False
-        elif not b.probing and b.since_probe >= b.interval:
+        due = not b.probing and b.since_probe >= b.interval
+        settled = self._settled_by_neighbours(load, best) if due else ""
+        if due and not settled:
             b.arm, b.probing, b.reason = (SPECULATE if best == AR else AR), True, f"probe ({b.reason})"
             if far:  # a clear loser's probe checks that it still loses: a quarter window (its samples are EMAs anyway)
                 b.window_left = max(1, b.window_left // 4)
-        else:
-            b.arm, b.probing = best, False
+            return
+        b.arm, b.probing = best, False
+        if settled:  # a probe here could only lose: not run (while the neighbour holds)
+            b.since_probe, b.reason = 0, settled
 
     def _settled_by_neighbours(self, load: int, best: int) -> str:
         """Why probing the other arm at `load` is pointless ("" if it is not): speculation pays less as load grows,

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -78,16 +79,14 @@ def check_step_options(o: target_pb2.StepOptions, prefix: str = "step_options.")
         raise InvalidArgument(f"{prefix}budget must be >= 0 (0 = the drafter's default), got {o.budget}")
 
 
-def capture_to_proto(layers: tuple[int, ...], start: int, rows: torch.Tensor | None) -> common_pb2.HiddenCapture | None:
+def capture_to_proto(layers: tuple[int, ...], start: int,
+                     rows: torch.Tensor | Sequence[torch.Tensor] | None) -> common_pb2.HiddenCapture | None:
+    """`rows` [n, L, H] from row `start` on (or the captures of consecutive commits, joined) as the wire carries
+    them."""
     if rows is None or not layers:
         return None
-    assert rows.dim() == 3 and rows.shape[1] == len(layers)
-    return common_pb2.HiddenCapture(layer_ids=layers, start_position=start, rows=to_proto(rows.to(torch.bfloat16)))
-
-
-def captures_to_proto(layers: tuple[int, ...], start: int, parts: list[torch.Tensor]) -> common_pb2.HiddenCapture:
-    """The captures of consecutive commits ([n_i, L, H] each, from row `start` on) as one message."""
-    assert layers and all(p.dim() == 3 and p.shape[1] == len(layers) for p in parts)
+    parts = [rows] if isinstance(rows, torch.Tensor) else list(rows)
+    assert all(p.dim() == 3 and p.shape[1] == len(layers) for p in parts)
     return common_pb2.HiddenCapture(layer_ids=layers, start_position=start,
                                     rows=rows_to_proto([p.to(torch.bfloat16) for p in parts]))
 
@@ -312,7 +311,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
             drafting = self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
                                                                   self.rounds.generation)
-            drafting.encode_rows = functools.partial(captures_to_proto, engine.sessions.get(sid).capture_layers)
+            drafting.encode_rows = functools.partial(capture_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
             fingerprint=common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1]),
