@@ -8,6 +8,12 @@ sessions then verify in one target forward (`on_round` tells the target's batche
 fails (timeout, a dropped stream, the drafter's health probe failing) fails the drafting of every session in it;
 their draft sessions lived on that stream, so a session opened on an earlier stream stops drafting, and new
 sessions open on a new stream.
+
+The sessions of a round verify, then ask for their next proposals (drafted ahead) within about one forward. A round
+that formed meanwhile would split the sessions into groups that alternate between the drafter and the target, and
+on shared cores each group's drafter pass then slows the other's verify: so the next round waits (up to
+`next_round_s`) for the sessions of the last one, unless a session says it will not come (`unexpect`: it steps AR
+next, or drafts from its last chain, or ends).
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.speculation.wire import CODE_NAMES
 from dspark_grpc.target_service.drafter_link import DrafterLink
+
+# How long a round waits for a session of the last round that has not asked for its next proposal yet: it is
+# verifying (one forward, a prompt's chunks at most); only a step thread that never gets to run waits this long.
+NEXT_ROUND_WAIT_S = 0.1
 
 
 @dataclass
@@ -44,10 +54,12 @@ class RoundReply:
 class DraftRounds:
     def __init__(self, link: DrafterLink, timeout_s: float | None,
                  on_round: Callable[[list[str]], None] | None = None,
-                 plan: Callable[[list[RoundJob], list[RoundReply]], None] | None = None) -> None:
+                 plan: Callable[[list[RoundJob], list[RoundReply]], None] | None = None,
+                 next_round_s: float = NEXT_ROUND_WAIT_S) -> None:
         """`plan(jobs, replies)` may set each reply's depth (the round's chains cut together); `on_round(ids)`
-        hears which sessions are about to verify."""
+        hears which sessions are about to verify; the next round waits up to `next_round_s` for them (0: never)."""
         self.link, self.timeout_s, self.on_round, self.plan = link, timeout_s, on_round, plan
+        self.next_round_s = next_round_s
         self.batcher: StepBatcher[RoundJob, RoundReply] = StepBatcher(
             self._run, name="draft-rounds", session=lambda job: job.drafting.session_id)
         self.generation = 0  # of the link stream; a session's draft session lives on the one it was opened on
@@ -68,6 +80,10 @@ class DraftRounds:
             self.submit(RoundJob(drafting, [op], False))
 
         threading.Thread(target=run, name="draft-release", daemon=True).start()
+
+    def unexpect(self, session_id: str) -> None:
+        """This session of the last round will not ask for a proposal soon: the next round does not wait for it."""
+        self.batcher.unexpect(session_id)
 
     def close(self) -> None:
         self.batcher.close()
@@ -110,6 +126,10 @@ class DraftRounds:
                 replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
         if self.plan is not None:
             self.plan(jobs, replies)  # type: ignore[arg-type]
+        verifying = [job.drafting.session_id for job, reply in zip(jobs, replies, strict=True)
+                     if job.ops and job.ops[-1].WhichOneof("op") == "propose" and reply.replies is not None]
+        if self.next_round_s > 0 and verifying:
+            self.batcher.expect(verifying, self.next_round_s)
         if self.on_round is not None:
             self.on_round([job.drafting.session_id for job in jobs if job.verify_follows])
         return replies  # type: ignore[return-value]

@@ -30,7 +30,7 @@ from dspark_grpc.speculation.generation import GenerationConfig, RequestError, g
 from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
 from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths
 from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
-from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob, RoundReply
+from dspark_grpc.target_service.draft_rounds import NEXT_ROUND_WAIT_S, DraftRounds, RoundJob, RoundReply
 from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
@@ -111,8 +111,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.drafter = DrafterLink(make_channel(drafter_address, drafter_security), drafter_address,
                                    draft_timeout).start() \
             if drafter_address else None
-        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted, self._plan_round) \
-            if self.drafter is not None else None
+        # (without drafting ahead a session's next round comes after its client's round trip: not waited for)
+        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted, self._plan_round,
+                                  NEXT_ROUND_WAIT_S if draft_ahead else 0.0) if self.drafter is not None else None
         self.round_calibration = RoundCalibration()
         self._costs: tuple[list, list[common_pb2.CostTable], VerifyCosts] | None = None  # see _cost_tables
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
@@ -166,6 +167,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _stop_drafting(self, session_id: str) -> None:
         self.step_ended.pop(session_id, None)
         drafting = self.drafting.pop(session_id, None)
+        if drafting is not None and self.rounds is not None:
+            self.rounds.unexpect(session_id)
         if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
             self.rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
 
@@ -321,6 +324,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """One step: the drafter's proposal from a round (unless AR), one verify, the commit; the committed rows'
         captures are queued for the drafter's next round. `tokens_left` (0: no bound) bounds the tokens this step
         and the ones after it can emit."""
+        try:
+            return self._run_step(engine, sid, tokens_left)
+        finally:  # no round asked for: the next one must not wait for this session
+            drafting = self.drafting.get(sid)
+            if self.rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
+                self.rounds.unexpect(sid)
+
+    def _run_step(self, engine: TargetEngine, sid: str, tokens_left: int) -> target_pb2.Stepped:
         pending, length, max_length = engine.step_state(sid)
         room = max_length - length if not tokens_left else min(max_length - length, tokens_left)
         drafting = self.drafting.get(sid)

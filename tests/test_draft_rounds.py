@@ -181,3 +181,42 @@ def test_a_release_waits_for_the_round_drafted_ahead_for_its_session():
     kinds = [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds]
     assert kinds == [["open", "propose"], ["propose"], ["release"]]
     rounds.close()
+
+
+def _proposing(round_msg: draft_pb2.DraftRound) -> list[str]:
+    return sorted(op.propose.session_id for op in round_msg.ops if op.WhichOneof("op") == "propose")
+
+
+def test_the_next_round_waits_for_the_sessions_of_the_last_one():
+    """b asks for its next proposal while a is still verifying: the round waits for a (a bound far beyond the test),
+    so the two keep drafting in one pass and verifying in one forward instead of splitting into alternating groups."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    a, b = drafting("a"), drafting("b")
+    run_round(rounds, [a, b])
+    replies: dict[str, object] = {}
+    first = threading.Thread(target=lambda: replies.update(
+        b=rounds.submit(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1), False))))
+    first.start()
+    first.join(0.5)  # (a round that did not wait would have run by now; one that waits is still waiting)
+    replies["a"] = rounds.submit(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
+    first.join(30)
+    stream = link.streams[-1]
+    assert [_proposing(r) for r in stream.rounds] == [["a", "b"], ["a", "b"]]
+    assert all(r.replies[-1].proposal.batch_sessions == 2 for r in replies.values())
+    rounds.close()
+
+
+def test_a_session_that_will_not_draft_next_is_not_waited_for():
+    """a steps AR next (or drafts from its chain, or ends): it says so, and b's round runs without it."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    a, b = drafting("a"), drafting("b")
+    run_round(rounds, [a, b])
+    rounds.unexpect("a")
+    done = threading.Thread(target=rounds.submit, args=(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1)),))
+    done.start()
+    done.join(30)  # without the unexpect it would wait the 60 s bound
+    assert not done.is_alive()
+    assert [_proposing(r) for r in link.streams[-1].rounds] == [["a", "b"], ["b"]]
+    rounds.close()
