@@ -20,6 +20,7 @@ prompt-lookup-only service makes none: an n-gram proposal is a few dictionary lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import threading
@@ -35,7 +36,7 @@ from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.runtime.markov import check_kernel, choose_kernel, draft_chain
+from dspark_grpc.runtime.markov import Chain, check_kernel, choose_kernel, draft_chain, draft_chains
 from dspark_grpc.runtime.ngram import (
     SOURCE_BASE,
     SOURCE_BOTH,
@@ -127,12 +128,12 @@ class DraftEngine:
             limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
         self.metrics: DraftServiceMetrics | None = None
         self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
-        self._passes: StepBatcher[tuple[DraftContext, int], BlockOutput] | None = None
+        self._passes: StepBatcher[PassJob, tuple[BlockOutput, Chain | None]] | None = None
         if drafter is not None:
             B = drafter.config.block_size
-            self._passes = StepBatcher(drafter.forward_blocks, rows=lambda job: B, max_rows=B * limits.max_sessions,
-                                       name="drafter-pass", on_batch=self._observe_pass,
-                                       session=lambda job: id(job[0]))
+            self._passes = StepBatcher(functools.partial(drafter_pass, drafter), rows=lambda job: B,
+                                       max_rows=B * limits.max_sessions, name="drafter-pass",
+                                       on_batch=self._observe_pass, session=lambda job: id(job.context))
 
     def close(self) -> None:
         if self._passes is not None:
@@ -360,8 +361,9 @@ class DraftEngine:
         d = self.drafter
         kernel = choose_kernel(kernel, None if d.markov is None else d.markov.kind, temperature, d.device)
         assert self._passes is not None and s.context is not None
-        result, info = self._passes.submit((s.context, anchor_token), then=lambda out: dspark_proposal(
-            d, out, anchor_token, tree, budget, kernel, temperature, generator, self.limits))
+        job = PassJob(s.context, anchor_token, greedy_chain=kernel == "torch" and temperature == 0)
+        result, info = self._passes.submit(job, then=lambda out: dspark_proposal(
+            d, out[0], anchor_token, tree, budget, kernel, temperature, generator, self.limits, chain=out[1]))
         result.batch_sessions = info.jobs
         return result
 
@@ -387,19 +389,47 @@ class DraftEngine:
         return self.propose_costs
 
 
+@dataclass(frozen=True)
+class PassJob:
+    context: DraftContext
+    anchor_token: int
+    greedy_chain: bool  # the pass also drafts its greedy chain (torch kernel), batched with the pass's others
+
+
+def drafter_pass(d: Drafter, jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
+    """One drafter pass for the sessions of `jobs`, then the greedy chains of those that want one, as one batched
+    chain (runtime/markov.py `draft_chains`) instead of one per session."""
+    outs = d.forward_blocks([(job.context, job.anchor_token) for job in jobs])
+    chains: list[Chain | None] = [None] * len(jobs)
+    greedy = [i for i, job in enumerate(jobs) if job.greedy_chain]
+    if greedy:
+        stacked = [torch.stack([getattr(outs[i], f) for i in greedy])
+                   for f in ("base_logits", "hidden_pre_norm", "hidden_post_norm")]
+        anchors = torch.tensor([jobs[i].anchor_token for i in greedy], device=d.device)
+        for i, chain in zip(greedy, draft_chains(*stacked, anchors, d.markov, d.confidence, d.d2t), strict=True):
+            chains[i] = chain
+    return list(zip(outs, chains, strict=True))
+
+
 def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool, budget: int, kernel: str,
-                    temperature: float, generator: torch.Generator | None, limits: DraftLimits) -> ProposalResult:
-    """One session's DSpark chain (the first `budget` slots) or DDTree (`budget` nodes) from its block output."""
+                    temperature: float, generator: torch.Generator | None, limits: DraftLimits,
+                    chain: Chain | None = None) -> ProposalResult:
+    """One session's DSpark chain (the first `budget` slots) or DDTree (`budget` nodes) from its block output;
+    `chain`: its whole greedy chain, drafted already (`drafter_pass`)."""
     if tree:
         t = build_ddtree(out.base_logits, anchor_token, budget, limits.tree_top_k, markov=d.markov,
                          hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
-        chain = draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token, d.markov,
-                            d.confidence, d.d2t, kernel=kernel)
+        chain = chain or draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
+                                     d.markov, d.confidence, d.d2t, kernel=kernel)
         return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
                               ["", *["dspark"] * (len(t.tokens) - 1)])
-    chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
-                        anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
-                        generator=generator, sample_top_k=limits.sample_top_k)
+    if chain is not None:  # a greedy chain's first slots are the chain of fewer slots
+        chain = Chain(chain.tokens[:budget], chain.logprobs[:budget],
+                      None if chain.confidences is None else chain.confidences[:budget])
+    else:
+        chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
+                            anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
+                            generator=generator, sample_top_k=limits.sample_top_k)
     tokens = [anchor_token, *chain.tokens]
     return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
                           chain.confidences, ["", *["dspark"] * chain.logprobs.numel()], chain.draft_ids,

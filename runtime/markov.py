@@ -192,12 +192,56 @@ def check_chain_inputs(base_logits: Tensor, anchor: int, markov: MarkovHead | No
         raise ValueError("the confidence head takes W1[prev_k] but the drafter has no Markov head")
 
 
+@dataclass
+class GreedyChains:
+    """A blocks' greedy chains, K slots each."""
+
+    draft_tokens: Tensor  # [A, K] draft ids
+    tokens: Tensor  # [A, K] target ids
+    logprobs: Tensor  # [A, K] fp32 under softmax(Z_k)
+    embeddings: Tensor | None  # [A, K, r] = W1[prev_k]
+    logits: Tensor  # [A, K, V_d] corrected logits Z_k
+
+
+def greedy_chains(base_logits: Tensor, anchors: Tensor, markov: MarkovHead | None,
+                  hidden_post: Tensor | None = None, d2t: Tensor | None = None) -> GreedyChains:
+    """The greedy chains of A blocks at once, one Markov step per slot over the A rows (ties -> the lowest draft
+    id): base_logits [A, K, V_d], anchors [A] target ids, hidden_post [A, K, H] (read by gated/rnn heads)."""
+    assert base_logits.dim() == 3 and anchors.shape == base_logits.shape[:1], (base_logits.shape, anchors.shape)
+    A, K, V = base_logits.shape
+    assert hidden_post is None or hidden_post.shape[:2] == (A, K), hidden_post.shape
+    prev, state = anchors.long(), None
+    draft_tokens, tokens, logprobs, embeddings, logits = [], [], [], [], []
+    for k in range(K):
+        hidden = None if hidden_post is None else hidden_post[:, k]
+        z, e, state = markov_step(markov, base_logits[:, k], prev, hidden, state)
+        x = z.argmax(dim=-1)  # the first maximal index
+        logprobs.append(torch.log_softmax(z, dim=-1).gather(1, x[:, None])[:, 0])
+        prev = x if d2t is None else x + d2t[x]
+        draft_tokens.append(x)
+        tokens.append(prev)
+        embeddings.append(e)
+        logits.append(z)
+    empty = torch.zeros(A, 0, dtype=torch.long, device=base_logits.device)
+    stack = lambda xs, like: torch.stack(xs, dim=1) if xs else like  # noqa: E731
+    emb = None if markov is None else stack(embeddings, torch.zeros(A, 0, markov.rank, device=base_logits.device))
+    return GreedyChains(stack(draft_tokens, empty), stack(tokens, empty),
+                        stack(logprobs, torch.zeros(A, 0, device=base_logits.device)), emb,
+                        stack(logits, base_logits.float()))
+
+
 def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidden_post: Tensor | None = None,
               d2t: Tensor | None = None, temperature: float = 0.0,
               generator: torch.Generator | None = None, sample_top_k: int = 0) -> ChainSteps:
-    """The Markov-corrected chain in plain torch (fp32); greedy when temperature == 0. With sample_top_k > 0 a
-    sampled token is drawn from the top-k truncated softmax(Z_k / T), and that distribution is returned."""
+    """The Markov-corrected chain in plain torch (fp32); greedy (`greedy_chains`) when temperature == 0. With
+    sample_top_k > 0 a sampled token is drawn from the top-k truncated softmax(Z_k / T), and that distribution is
+    returned."""
     check_chain_inputs(base_logits, anchor, markov, d2t)
+    if temperature == 0:
+        g = greedy_chains(base_logits[None], torch.tensor([anchor], device=base_logits.device), markov,
+                          None if hidden_post is None else hidden_post[None], d2t)
+        return ChainSteps(g.draft_tokens[0].tolist(), g.tokens[0].tolist(), g.logprobs[0],
+                          None if g.embeddings is None else g.embeddings[0], g.logits[0])
     n = base_logits.shape[0]
     prev, state, draft_tokens, tokens, logprobs, embeddings, logits = anchor, None, [], [], [], [], []
     sparse_ids, sparse_lps = [], []
@@ -214,12 +258,9 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
             logp = torch.full_like(z, float("-inf")).index_put_((ids[0],), lps[0])
             sparse_ids.append(torch.tensor([to_target(int(i), d2t) for i in ids[0]]))
             sparse_lps.append(lps[0])
-        elif temperature > 0:
+        else:
             logp = torch.log_softmax(z / temperature, dim=-1)
             x = int(torch.multinomial(logp.exp(), 1, generator=generator))
-        else:
-            logp = torch.log_softmax(z, dim=-1)
-            x = int(torch.argmax(z))  # the first maximal index: ties go to the lowest draft id
         draft_tokens.append(x)
         prev = to_target(x, d2t)
         tokens.append(prev)
@@ -277,8 +318,32 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
         from .markov_triton import markov_chain_fused
 
         return markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t)
+    if temperature == 0:
+        return draft_chains(base_logits[None], hidden_pre[None], hidden_post[None],
+                            torch.tensor([anchor], device=base_logits.device), markov, confidence, d2t)[0]
     steps = run_chain(base_logits, anchor, markov, hidden_post, d2t, temperature, generator, sample_top_k)
     conf = None
     if confidence is not None:
         conf = confidence(confidence.select_hidden(hidden_pre, hidden_post), steps.embeddings)
     return Chain(steps.tokens, steps.logprobs, conf, steps.draft_ids, steps.draft_logprobs)
+
+
+def draft_chains(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchors: Tensor,
+                 markov: MarkovHead | None, confidence: ConfidenceHead | None,
+                 d2t: Tensor | None = None) -> list[Chain]:
+    """`draft_chain`'s greedy torch path for A blocks at once (the sessions of one drafter pass): base_logits
+    [A, K, V_d], hidden_pre/post [A, K, H], anchors [A] target ids."""
+    assert base_logits.dim() == 3 and hidden_pre.shape == hidden_post.shape == base_logits.shape[:2] + \
+        hidden_pre.shape[2:], (base_logits.shape, hidden_pre.shape, hidden_post.shape)
+    for anchor in anchors.tolist():
+        check_chain_inputs(base_logits[0], anchor, markov, d2t, confidence)
+    g = greedy_chains(base_logits, anchors, markov, hidden_post, d2t)
+    A, K = g.tokens.shape
+    conf = None
+    if confidence is not None:
+        hidden = confidence.select_hidden(hidden_pre, hidden_post).reshape(A * K, confidence.hidden_size)
+        emb = None if g.embeddings is None else g.embeddings.reshape(A * K, g.embeddings.shape[-1])
+        temps = confidence.position_temperatures(K).to(base_logits.device)
+        conf = torch.sigmoid(confidence.logits(hidden, emb).view(A, K) / temps)
+    tokens = g.tokens.tolist()
+    return [Chain(tokens[i], g.logprobs[i], None if conf is None else conf[i]) for i in range(A)]

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..drafter import Drafter, _BlockKV, sliding_mask
 from ..drafter_config import default_target_layer_ids
 from ..drafter_formats import init_random_drafter
+from ..markov import greedy_chains as greedy_chains_of
 from ..markov import markov_step
 from ..transformer import Transformer
 from .data import TargetSequence
@@ -181,18 +182,10 @@ def confidence_logits(drafter: Drafter, rows: BlockRows, embeddings: Tensor | No
 
 @torch.no_grad()
 def greedy_chains(drafter: Drafter, rows: BlockRows, anchors: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The greedy DSpark chain of every block, as runtime.markov.run_chain drafts it (ties -> lowest draft id):
-    (drafted target ids [A, K], raw confidence logits [A, K] or None)."""
-    d2t = drafter.d2t
-    prev, state, tokens, embeddings = anchors, None, [], []
-    for k in range(rows.base_logits.shape[1]):
-        z, e, state = markov_step(drafter.markov, rows.base_logits[:, k], prev, rows.hidden_post[:, k], state)
-        x = z.argmax(dim=-1)
-        prev = x if d2t is None else x + d2t[x]
-        tokens.append(prev)
-        embeddings.append(e)
-    emb = None if drafter.markov is None else torch.stack(embeddings, dim=1)
-    return torch.stack(tokens, dim=1), confidence_logits(drafter, rows, emb)
+    """The greedy DSpark chain of every block, as serving drafts it (runtime.markov.greedy_chains): (drafted target
+    ids [A, K], raw confidence logits [A, K] or None)."""
+    chains = greedy_chains_of(rows.base_logits, anchors, drafter.markov, rows.hidden_post, drafter.d2t)
+    return chains.tokens, confidence_logits(drafter, rows, chains.embeddings)
 
 
 def accepted_lengths(drafted: Tensor, labels: Tensor, valid: Tensor) -> Tensor:

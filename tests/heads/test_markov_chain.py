@@ -265,3 +265,23 @@ def test_bias_cache_refuses_heads_whose_bias_is_not_a_function_of_the_token():
     with pytest.raises(ValueError, match="frozen"):
         trainable.cache_biases(8)
     copy.deepcopy(trainable)  # a head without the cache holds no lock: training code can still copy it
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_chains_of_one_pass_drafted_together_equal_each_alone_and_the_reference(kind: str, with_d2t: bool):
+    """The sessions of one drafter pass draft their greedy chains as one batched chain (draft_chains): each equals
+    the float64 reference loop of its own block, and the tokens are those the block drafts alone."""
+    from dspark_grpc.runtime.markov import draft_chains
+
+    markov, conf = make_heads(kind, temperatures=[1.0, 1.5, 0.7])
+    d2t = make_d2t() if with_d2t else None
+    blocks = [make_inputs(seed) for seed in range(5)]
+    anchors = [11, 3, 11, 0, V_T - 1]
+    stacked = [torch.stack([b[i] for b in blocks]) for i in range(3)]
+    together = draft_chains(*stacked, torch.tensor(anchors), markov, conf, d2t)
+    assert len(together) == len(blocks)
+    for (u, h_pre, h_post), anchor, chain in zip(blocks, anchors, together, strict=True):
+        assert_same_chain(chain, reference_chain(u, h_pre, h_post, anchor, markov, conf, d2t))
+        assert chain.tokens == draft_chain(u, h_pre, h_post, anchor, markov, conf, d2t, kernel="torch").tokens
+    assert len({tuple(c.tokens) for c in together}) > 1
