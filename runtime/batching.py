@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -51,6 +52,7 @@ class _Ticket(Generic[J, R]):
     session: Hashable
     then: Callable[[R], Any] | None = None  # the job's post-processing, on the worker, after its batch
     call: Callable[[], Any] | None = None  # not a job: a computation to run alone on the worker
+    future: Future | None = None  # submit_future's: completed with the result instead of a waiting caller
     result: Any = None
     error: BaseException | None = None
     info: BatchInfo | None = None
@@ -84,6 +86,14 @@ class StepBatcher(Generic[J, R]):
         assert ticket.info is not None
         return ticket.result, ticket.info
 
+    def submit_future(self, job: J) -> Future:
+        """Queue `job` for the next batch without waiting: the future gets its result (or error) when it ran."""
+        future: Future = Future()
+        ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event(),
+                                        self.session(job) if self.session is not None else None, future=future)
+        self._queue_ticket(ticket)
+        return future
+
     def expect(self, sessions: Iterable[Hashable], within_s: float) -> None:
         """The next batch waits, for up to `within_s`, until each of `sessions` has queued a job (or is
         `unexpect`ed: a caller whose step failed before it submitted)."""
@@ -110,15 +120,18 @@ class StepBatcher(Generic[J, R]):
         return ticket.result
 
     def _wait(self, ticket: _Ticket[J, R]) -> None:
+        self._queue_ticket(ticket)
+        ticket.done.wait()
+        if ticket.error is not None:
+            raise ticket.error
+
+    def _queue_ticket(self, ticket: _Ticket[J, R]) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the step batcher is closed")
             self._queue.append(ticket)
             self._expected.pop(ticket.session, None)
             self._cv.notify()
-        ticket.done.wait()
-        if ticket.error is not None:
-            raise ticket.error
 
     def close(self) -> None:
         with self._cv:
@@ -169,6 +182,11 @@ class StepBatcher(Generic[J, R]):
                     except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
                         t.error = e
                 t.done.set()
+                if t.future is not None:
+                    if t.error is not None:
+                        t.future.set_exception(t.error)
+                    else:
+                        t.future.set_result(t.result)
 
     @staticmethod
     def _run_call(ticket: _Ticket[J, R]) -> None:

@@ -19,9 +19,8 @@ next, or drafts from its last chain, or ends).
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dspark_grpc.protos.dspark.v1 import draft_pb2
@@ -69,17 +68,26 @@ class DraftRounds:
     def submit(self, job: RoundJob) -> RoundReply:
         return self.batcher.submit(job)[0]
 
+    def submit_ahead(self, job: RoundJob) -> Future:
+        """Queue the job for the next round without waiting: a Future of its RoundReply."""
+        return self.batcher.submit_future(job)
+
     def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest,
                 after: Future | None = None) -> None:
         """Release a draft session without waiting (it goes with the next round, or alone); after `after`, the
         session's round drafted ahead if one is under way (a release that overtook it would leave its ops to a
         session the drafter no longer has)."""
-        def run() -> None:
-            if after is not None:
-                wait([after])
-            self.submit(RoundJob(drafting, [op], False))
+        job = RoundJob(drafting, [op], False)
+        if after is None:
+            self._queue_quietly(job)
+        else:
+            after.add_done_callback(lambda _: self._queue_quietly(job))
 
-        threading.Thread(target=run, name="draft-release", daemon=True).start()
+    def _queue_quietly(self, job: RoundJob) -> None:
+        try:
+            self.batcher.submit_future(job)
+        except RuntimeError:  # closed: the stream's end frees the drafter's sessions anyway
+            pass
 
     def unexpect(self, session_id: str) -> None:
         """This session of the last round will not ask for a proposal soon: the next round does not wait for it."""

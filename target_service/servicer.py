@@ -119,7 +119,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
         # draft ahead: a session's next proposal is asked for as soon as its step commits
         self.draft_ahead = draft_ahead
-        self.ahead = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-ahead")
         self.default_mode = default_mode
         self.metrics = None  # a SpecDecodeMetrics when the service exports Prometheus metrics
         # adaptive mode: speculate or AR, per load (its cost table set at load); it learns from every session's
@@ -437,7 +436,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if from_chain is not None:
             return NextStep(arm, from_chain=from_chain)
         ops = drafting.round_ops(anchor, position, arm)
-        return NextStep(arm, ops, self.ahead.submit(self.rounds.submit, RoundJob(drafting, ops, verify_follows=False)))
+        return NextStep(arm, ops, self.rounds.submit_ahead(RoundJob(drafting, ops, verify_follows=False)))
 
     # -- single-call generation ---------------------------------------------------------------------
 

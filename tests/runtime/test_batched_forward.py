@@ -280,3 +280,26 @@ def test_step_batcher_waits_for_expected_sessions_and_not_for_one_unexpected():
     submit("g", 0)
     assert batches[-1] == ["g"]
     batcher.close()
+
+
+def test_step_batcher_futures_share_the_batch_of_waiting_callers_and_carry_errors():
+    """submit_future queues a job without a waiting thread (a draft-ahead round): it joins the batch of the callers
+    queued with it, and its future holds the result, or the job's own error."""
+    batcher, release, batches = _blocked_batcher()
+    first, t1 = _submit_all(batcher, [1])
+    _wait_queued(batcher, 0)
+    waiting, t2 = _submit_all(batcher, [2])
+    ok, bad = batcher.submit_future(3), batcher.submit_future(-4)
+    _wait_queued(batcher, 3)
+    assert not ok.done()
+    release.set()
+    for t in t1 + t2:
+        t.join(10)
+    assert ok.result(10) == 30 and waiting[2][0] == 20
+    with pytest.raises(ValueError):
+        bad.result(10)
+    # the caller and the futures ran as one batch, which the bad job failed: each was then run alone
+    assert sorted(batches[1:]) == [[2], [3]]
+    batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.submit_future(5)
