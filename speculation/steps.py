@@ -78,6 +78,7 @@ class SessionDrafting:
     last_arm: int | None = None  # AR or SPECULATE, as last planned
     switches: list[str] = field(default_factory=list)  # the arm changes not reported yet
     next: NextStep | None = None  # planned (and maybe drafted) when the last step committed
+    in_step: bool = False  # its step is under way (a round drafted for it now is verified at once)
     rest: ChainRest | None = None  # of the chain the last step verified, if cut short
     # Rows committed since the last round, as the target keeps them (`append_rows`): encoded into one capture by
     # `encode_rows(start, rows)` when the round is built, not at every step (an AR stretch sends one append).

@@ -12,8 +12,9 @@ sessions open on a new stream.
 The sessions of a round verify, then ask for their next proposals (drafted ahead) within about one forward. A round
 that formed meanwhile would split the sessions into groups that alternate between the drafter and the target, and
 on shared cores each group's drafter pass then slows the other's verify: so the next round waits (up to
-`next_round_s`) for the sessions of the last one, unless a session says it will not come (`unexpect`: it steps AR
-next, or drafts from its last chain, or ends).
+`next_round_s`) for the sessions of the last one whose steps are under way (a session stepped by its client over a
+session stream may wait for its client's next Step: not waited for), unless a session says it will not come
+(`unexpect`: it steps AR next, or drafts from its last chain, or ends).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class DraftRounds:
         if self.plan is not None:
             self.plan(jobs, replies)  # type: ignore[arg-type]
         verifying = [job.drafting.session_id for job, reply in zip(jobs, replies, strict=True)
-                     if job.ops and job.ops[-1].WhichOneof("op") == "propose" and reply.replies is not None]
+                     if job.ops and job.ops[-1].WhichOneof("op") == "propose" and reply.replies is not None
+                     and (job.verify_follows or job.drafting.in_step)]
         if self.next_round_s > 0 and verifying:
             self.batcher.expect(verifying, self.next_round_s)
         if self.on_round is not None:

@@ -323,10 +323,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """One step: the drafter's proposal from a round (unless AR), one verify, the commit; the committed rows'
         captures are queued for the drafter's next round. `tokens_left` (0: no bound) bounds the tokens this step
         and the ones after it can emit."""
+        drafting = self.drafting.get(sid)
+        if drafting is not None:
+            drafting.in_step = True
         try:
             return self._run_step(engine, sid, tokens_left)
         finally:  # no round asked for: the next one must not wait for this session
-            drafting = self.drafting.get(sid)
+            if drafting is not None:
+                drafting.in_step = False
             if self.rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
                 self.rounds.unexpect(sid)
 

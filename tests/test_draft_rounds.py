@@ -220,3 +220,29 @@ def test_a_session_that_will_not_draft_next_is_not_waited_for():
     assert not done.is_alive()
     assert [_proposing(r) for r in link.streams[-1].rounds] == [["a", "b"], ["b"]]
     rounds.close()
+
+
+def test_a_session_whose_client_has_not_sent_its_next_step_is_not_waited_for():
+    """Drafted ahead for a session stepped by its client (a session stream): its next Step waits for that client,
+    so the next round does not wait for it; it does for a session whose step is under way."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    idle, busy = drafting("idle"), drafting("busy")
+    run_round(rounds, [idle, busy])
+    rounds.unexpect("idle")
+    rounds.unexpect("busy")
+    busy.in_step = True  # (idle.in_step stays False: between its client's steps)
+    ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
+             for s in (idle, busy)]
+    assert all(f.result(30).replies is not None for f in ahead)
+    other = drafting("other")
+    done = threading.Thread(target=rounds.submit,
+                            args=(RoundJob(other, other.round_ops(anchor=6, position=4, proposer=1)),))
+    done.start()
+    done.join(0.5)
+    assert done.is_alive()  # waits for busy (bound 60 s), not for idle
+    rounds.submit(RoundJob(busy, busy.round_ops(anchor=7, position=5, proposer=1), False))
+    done.join(30)
+    assert not done.is_alive()
+    assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["busy", "other"]
+    rounds.close()
