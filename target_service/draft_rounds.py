@@ -14,12 +14,15 @@ that formed meanwhile would split the sessions into groups that alternate betwee
 on shared cores each group's drafter pass then slows the other's verify: so the next round waits (up to
 `next_round_s`) for the sessions of the last one whose steps are under way (a session stepped by its client over a
 session stream may wait for its client's next Step: not waited for), unless a session says it will not come
-(`unexpect`: it steps AR next, or drafts from its last chain, or ends).
+(`unexpect`: it steps AR next, or drafts from its last chain, or ends). A session that needs no round (it verifies
+the rest of its last chain) waits for the round under way (`wait_for_round`), to verify in its sessions' forward
+rather than alone beside their drafter pass.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,6 +66,8 @@ class DraftRounds:
         self.batcher: StepBatcher[RoundJob, RoundReply] = StepBatcher(
             self._run, name="draft-rounds", session=lambda job: job.drafting.session_id)
         self.generation = 0  # of the link stream; a session's draft session lives on the one it was opened on
+        self._idle = threading.Event()  # no round under way
+        self._idle.set()
         self._stream: SessionStream | None = None
         self._ids = itertools.count(1)
 
@@ -90,6 +95,10 @@ class DraftRounds:
         except RuntimeError:  # closed: the stream's end frees the drafter's sessions anyway
             pass
 
+    def wait_for_round(self, timeout_s: float) -> bool:
+        """Until the round under way (if any) has its replies, at most `timeout_s`; whether none is under way now."""
+        return self._idle.wait(timeout_s)
+
     def unexpect(self, session_id: str) -> None:
         """This session of the last round will not ask for a proposal soon: the next round does not wait for it."""
         self.batcher.unexpect(session_id)
@@ -100,6 +109,13 @@ class DraftRounds:
             self._stream.close()
 
     def _run(self, jobs: list[RoundJob]) -> list[RoundReply]:
+        self._idle.clear()
+        try:
+            return self._run_round(jobs)
+        finally:
+            self._idle.set()
+
+    def _run_round(self, jobs: list[RoundJob]) -> list[RoundReply]:
         replies: list[RoundReply | None] = [None] * len(jobs)
         if self._stream is None or self._stream.ended:  # ended between rounds (the drafter went away meanwhile)
             stream = self.link.open_stream()

@@ -356,6 +356,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if planned.from_chain is not None:  # the rest of the last chain: no round
                     report.draft_ready = report.draft_from_chain = True
                     proposal = planned.from_chain
+                    # other sessions' round under way: verify with them, not alone beside their drafter pass
+                    self.rounds.wait_for_round(NEXT_ROUND_WAIT_S)
                     reply_depth = self._chain_depths([proposal])[0]
                 else:
                     if planned.reply is not None:  # drafted ahead

@@ -246,3 +246,33 @@ def test_a_session_whose_client_has_not_sent_its_next_step_is_not_waited_for():
     assert not done.is_alive()
     assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["busy", "other"]
     rounds.close()
+
+
+def test_a_step_that_needs_no_round_waits_for_the_round_under_way():
+    """A session verifying the rest of its last chain asks the drafter nothing; while other sessions' round is at
+    the drafter it waits for that round (then verifies in their forward), and without one it does not wait."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5, next_round_s=0.0)
+    a = drafting("a")
+    run_round(rounds, [a])
+    assert rounds.wait_for_round(0.0)  # none under way
+    stream, held, release = link.streams[-1], threading.Event(), threading.Event()
+    answer = stream.call
+
+    def slow_call(request, timeout=None):
+        held.set()
+        assert release.wait(30)
+        return answer(request, timeout)
+
+    stream.call = slow_call
+    ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
+    assert held.wait(30)
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(rounds.wait_for_round(60.0)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not ahead.done()
+    release.set()
+    waiter.join(30)
+    assert waited == [True] and ahead.result(30).replies is not None
+    rounds.close()
