@@ -151,12 +151,16 @@ class DraftRounds:
                 replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
         if self.plan is not None:
             self.plan(jobs, replies)  # type: ignore[arg-type]
-        verifying = [job.drafting.session_id for job, reply in zip(jobs, replies, strict=True)
-                     if job.ops and job.ops[-1].WhichOneof("op") == "propose" and reply.replies is not None
-                     and (job.verify_follows or job.drafting.in_step)]
-        if self.next_round_s > 0 and verifying:
-            self.batcher.expect(verifying, self.next_round_s)
+        # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
+        # step has not started yet, over a session stream, waits for its client)
+        stepping = [(job.drafting.session_id, reply.replies is not None)
+                    for job, reply in zip(jobs, replies, strict=True)
+                    if job.ops and job.ops[-1].WhichOneof("op") == "propose"
+                    and (job.verify_follows or job.drafting.in_step)]
+        drafted = [sid for sid, ok in stepping if ok]  # (a failed one steps AR: no next round)
+        if self.next_round_s > 0 and drafted:
+            self.batcher.expect(drafted, self.next_round_s)
         if self.on_round is not None:
-            self.on_round([job.drafting.session_id for job in jobs if job.verify_follows])
+            self.on_round([sid for sid, _ in stepping])
         return replies  # type: ignore[return-value]
 

@@ -276,3 +276,26 @@ def test_a_step_that_needs_no_round_waits_for_the_round_under_way():
     waiter.join(30)
     assert waited == [True] and ahead.result(30).replies is not None
     rounds.close()
+
+
+def test_the_target_expects_the_verifies_of_the_sessions_whose_steps_wait_for_the_round():
+    """A round drafted ahead: its sessions whose steps are under way verify as soon as it answers, so the target's
+    forward is told to wait for them (one forward for the round); one whose client has not sent its next Step yet is
+    not waited for."""
+    link, heard = FakeLink(), []
+    rounds = DraftRounds(link, timeout_s=5, on_round=heard.append, next_round_s=0.0)
+    waiting, idle = drafting("waiting"), drafting("idle")
+    run_round(rounds, [waiting, idle])
+    waiting.in_step = True
+    gate, held = threading.Event(), threading.Event()
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker.start()
+    held.wait(10)
+    ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
+             for s in (waiting, idle)]
+    gate.set()
+    assert all(f.result(30).replies is not None for f in ahead)
+    blocker.join(10)
+    assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["idle", "waiting"]
+    assert sorted(heard[-1]) == ["waiting"]
+    rounds.close()
