@@ -135,7 +135,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         if len(proposals) == 1:  # nothing to share a pass with: no thread hand-off
             results[proposals[0]] = propose(m.ops[proposals[0]])
-        futures = {i: self.round_executor.submit(propose, m.ops[i]) for i in proposals} if len(proposals) > 1 else {}
-        for i, future in futures.items():
-            results[i] = future.result()
+        else:
+            futures = {i: self.round_executor.submit(propose, m.ops[i]) for i in proposals}
+            for i, future in futures.items():
+                results[i] = future.result()
         return draft_pb2.DraftRoundResult(results=results)

@@ -208,7 +208,7 @@ def greedy_chains(base_logits: Tensor, anchors: Tensor, markov: MarkovHead | Non
     """The greedy chains of A blocks at once, one Markov step per slot over the A rows (ties -> the lowest draft
     id): base_logits [A, K, V_d], anchors [A] target ids, hidden_post [A, K, H] (read by gated/rnn heads)."""
     assert base_logits.dim() == 3 and anchors.shape == base_logits.shape[:1], (base_logits.shape, anchors.shape)
-    A, K, V = base_logits.shape
+    A, K = base_logits.shape[:2]
     assert hidden_post is None or hidden_post.shape[:2] == (A, K), hidden_post.shape
     prev, state = anchors.long(), None
     draft_tokens, tokens, logprobs, embeddings, logits = [], [], [], [], []

@@ -166,9 +166,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _stop_drafting(self, session_id: str) -> None:
         self.step_ended.pop(session_id, None)
         drafting = self.drafting.pop(session_id, None)
-        if drafting is not None and self.rounds is not None:
-            self.rounds.unexpect(session_id)
-        if drafting is not None and (op := drafting.finish()) is not None and self.rounds is not None:
+        if drafting is None or self.rounds is None:
+            return
+        self.rounds.unexpect(session_id)
+        if (op := drafting.finish()) is not None:
             self.rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
 
     def _cost_tables(self, engine: TargetEngine) -> tuple[list[common_pb2.CostTable], VerifyCosts]:
@@ -327,17 +328,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if drafting is not None:
             drafting.in_step = True
         try:
-            return self._run_step(engine, sid, tokens_left)
+            return self._run_step(engine, sid, tokens_left, drafting)
         finally:  # no round asked for: the next one must not wait for this session
             if drafting is not None:
                 drafting.in_step = False
             if self.rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
                 self.rounds.unexpect(sid)
 
-    def _run_step(self, engine: TargetEngine, sid: str, tokens_left: int) -> target_pb2.Stepped:
+    def _run_step(self, engine: TargetEngine, sid: str, tokens_left: int,
+                  drafting: SessionDrafting | None) -> target_pb2.Stepped:
         pending, length, max_length = engine.step_state(sid)
         room = max_length - length if not tokens_left else min(max_length - length, tokens_left)
-        drafting = self.drafting.get(sid)
         report = target_pb2.StepReport()
         failed_before = drafting is not None and not drafting.active
         planned = None
