@@ -106,18 +106,20 @@ def test_forward_batch_refuses_a_shared_cache_and_bad_input_before_touching_any_
 
 
 def _blocked_batcher():
-    """A batcher whose first batch waits for `release`, so the next callers queue up behind it."""
-    release, batches = threading.Event(), []
+    """A batcher whose first batch waits for `release`, so the next callers queue up behind it; `running` is set once
+    that first batch has left the queue (an explicit gate: no sleep stands for "the worker has taken it")."""
+    release, running, batches = threading.Event(), threading.Event(), []
 
     def run_batch(jobs: list[int]) -> list[int]:
-        if not batches:
+        if not batches and not running.is_set():
+            running.set()
             release.wait(10)
         if any(j < 0 for j in jobs):
             raise ValueError(f"negative job in {jobs}")
         batches.append(list(jobs))
         return [j * 10 for j in jobs]
 
-    return StepBatcher(run_batch, rows=lambda j: 1, max_rows=3), release, batches
+    return StepBatcher(run_batch, rows=lambda j: 1, max_rows=3), release, running, batches
 
 
 def _submit_all(batcher: StepBatcher, jobs: list[int]) -> tuple[dict, list[threading.Thread]]:
@@ -145,10 +147,9 @@ def _wait_queued(batcher: StepBatcher, n: int) -> None:
 
 
 def test_step_batcher_runs_queued_jobs_together_up_to_max_rows():
-    batcher, release, batches = _blocked_batcher()
+    batcher, release, running, batches = _blocked_batcher()
     first, t1 = _submit_all(batcher, [1])
-    _wait_queued(batcher, 0)
-    threading.Event().wait(0.05)  # job 1 is running (blocked)
+    assert running.wait(10)  # job 1 is running (blocked)
     rest, t2 = _submit_all(batcher, [2, 3, 4, 5])
     _wait_queued(batcher, 4)
     release.set()
@@ -164,9 +165,9 @@ def test_step_batcher_runs_queued_jobs_together_up_to_max_rows():
 
 
 def test_step_batcher_fails_only_the_bad_job():
-    batcher, release, batches = _blocked_batcher()
+    batcher, release, running, batches = _blocked_batcher()
     first, t1 = _submit_all(batcher, [1])
-    threading.Event().wait(0.05)
+    assert running.wait(10)
     rest, t2 = _submit_all(batcher, [2, -3, 4])
     _wait_queued(batcher, 3)
     release.set()
@@ -285,9 +286,9 @@ def test_step_batcher_waits_for_expected_sessions_and_not_for_one_unexpected():
 def test_step_batcher_futures_share_the_batch_of_waiting_callers_and_carry_errors():
     """submit_future queues a job without a waiting thread (a draft-ahead round): it joins the batch of the callers
     queued with it, and its future holds the result, or the job's own error."""
-    batcher, release, batches = _blocked_batcher()
+    batcher, release, running, batches = _blocked_batcher()
     first, t1 = _submit_all(batcher, [1])
-    _wait_queued(batcher, 0)
+    assert running.wait(10)
     waiting, t2 = _submit_all(batcher, [2])
     ok, bad = batcher.submit_future(3), batcher.submit_future(-4)
     _wait_queued(batcher, 3)
