@@ -9,6 +9,7 @@ and reading. Only frozen inference models are packed: the packed copy does not f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,8 +25,16 @@ MIN_ROWS = 3
 
 
 def packing_available(weight: torch.Tensor) -> bool:
+    """bf16 needs a CPU with oneDNN's bf16 path (AVX-512 or AVX-NE-CONVERT); an AVX2-only CPU multiplies it
+    unpacked."""
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and weight.ndim == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (weight.dtype != torch.bfloat16 or _bf16_packing()))
+
+
+@functools.cache
+def _bf16_packing() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
