@@ -77,17 +77,20 @@ def main(argv: list[str] | None = None) -> None:
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions)
     metrics = None
     if args.metrics_port is not None:
-        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics, live_sessions_gauge
+        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics, forward_threads_gauge, live_sessions_gauge
 
         metrics = DraftServiceMetrics()
         live_sessions_gauge(metrics.registry, "draft",
                             lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)
+        forward_threads_gauge(metrics.registry, "drafter",
+                              lambda: servicer.engine.threads.current if servicer.engine is not None else 0)
         server = metrics.serve(args.metrics_port, addr=args.host)
         print(f"[dspark-draft] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = DraftLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                          max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
                          default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                         max_sessions_per_principal=args.max_sessions_per_principal)
+                         max_sessions_per_principal=args.max_sessions_per_principal,
+                         adaptive_threads=not args.fixed_threads)
     security = server_security(args)
 
     def load() -> None:

@@ -20,7 +20,6 @@ prompt-lookup-only service makes none: an n-gram proposal is a few dictionary lo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import threading
@@ -49,6 +48,7 @@ from dspark_grpc.runtime.ngram import (
 from dspark_grpc.runtime.sampling import check_temperature
 from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
 from dspark_grpc.runtime.sessions import SessionStore
+from dspark_grpc.runtime.threads import ThreadGovernor
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
 from dspark_grpc.speculation.cost_table import CostTable
@@ -78,6 +78,8 @@ class DraftLimits:
     sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
     max_sessions_per_principal: int = 0  # 0 = max_sessions
     max_context: int = 1 << 16  # rows a session without a DSpark drafter may hold (with one: its max length)
+    # Drafter passes on one thread while that measures faster (another process took a core; runtime/threads.py).
+    adaptive_threads: bool = True
 
 
 @dataclass
@@ -129,9 +131,16 @@ class DraftEngine:
         self.metrics: DraftServiceMetrics | None = None
         self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
         self._passes: StepBatcher[PassJob, tuple[BlockOutput, Chain | None]] | None = None
+        self.threads = ThreadGovernor(torch.get_num_threads())
+        # a draft is only a guess: no check that the drafter's outputs do not depend on its thread count
+        self.threads.enabled = limits.adaptive_threads and self.threads.enabled
         if drafter is not None:
             B = drafter.config.block_size
-            self._passes = StepBatcher(functools.partial(drafter_pass, drafter), rows=lambda job: B,
+
+            def run_passes(jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
+                return self.threads.run(lambda: drafter_pass(drafter, jobs), B * len(jobs))
+
+            self._passes = StepBatcher(run_passes, rows=lambda job: B,
                                        max_rows=B * limits.max_sessions, name="drafter-pass",
                                        on_batch=self._observe_pass, session=lambda job: id(job.context))
 

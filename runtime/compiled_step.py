@@ -254,10 +254,12 @@ class CompiledStep:
         for t in (*self.store.k, *self.store.v):  # only slots and capacity vary: 2 sizes passed per call, not 122
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
-        # size_asserts: the step's inputs have one fixed structure (as for its disabled guards)
+        # size_asserts: the step's inputs have one fixed structure (as for its disabled guards); dynamic_threads: the
+        # kernels' parallel regions use the caller's thread count at run time (runtime/threads.py), not the count
+        # at compile time
         dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
                                options={"emulate_precision_casts": True, "size_asserts": False,
-                                        "cpp_wrapper": self.mode == "max"})
+                                        "cpp_wrapper": self.mode == "max", "cpp.dynamic_threads": True})
         with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
             step = dynamo.aot_compile((args, {}))
         if path is not None:

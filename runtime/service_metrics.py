@@ -10,6 +10,8 @@
 
 - `live_sessions_gauge(registry, service, count)`: `<p>:<service>_live_sessions`, the sessions open now (read at
   each scrape), on the target ("target") and the draft service ("draft").
+- `forward_threads_gauge(registry, model, threads)`: `<p>:<model>_forward_threads`, the threads the model's
+  forwards run on now (runtime/threads.py: one while that measures faster).
 
 Each instance has its own CollectorRegistry (or shares one passed in, e.g. a SpecDecodeMetrics' registry, so one
 /metrics endpoint serves both). prometheus-client is imported only when an instance is built.
@@ -43,6 +45,11 @@ class _Metrics:
 def live_sessions_gauge(registry: Any, service: str, count: Callable[[], int], prefix: str = "dspark") -> None:
     _prometheus().Gauge(f"{prefix}:{service}_live_sessions", f"Sessions open now on the {service} service.",
                         registry=registry).set_function(count)
+
+
+def forward_threads_gauge(registry: Any, model: str, threads: Callable[[], int], prefix: str = "dspark") -> None:
+    _prometheus().Gauge(f"{prefix}:{model}_forward_threads", f"Threads the {model}'s forwards run on now.",
+                        registry=registry).set_function(threads)
 
 
 class ForwardMetrics(_Metrics):

@@ -35,6 +35,10 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_t
     p.add_argument("--port", type=int, default=default_port, help="0 picks a free port (printed at start-up)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
     p.add_argument("--threads", type=int, default=default_threads, help=threads_help)
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="always run the model on --threads (default: on one thread while that measures faster, as "
+                        "when another process takes a core; the target only where its outputs do not depend on "
+                        "the thread count)")
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                               draft_ahead=args.draft_ahead)
     observe_forward = None
     if args.metrics_port is not None:
-        from dspark_grpc.runtime.service_metrics import ForwardMetrics, live_sessions_gauge
+        from dspark_grpc.runtime.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge
         from dspark_grpc.speculation.metrics import SpecDecodeMetrics
 
         servicer.metrics = SpecDecodeMetrics()
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
         live_sessions_gauge(servicer.metrics.registry, "target",
                             lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)
+        forward_threads_gauge(servicer.metrics.registry, "target",
+                              lambda: servicer.engine.threads.current if servicer.engine is not None else 0)
 
         def observe_forward(info) -> None:
             forwards.observe_forward(info.jobs, info.rows, info.seconds)
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None,
                           max_batch_rows=args.max_batch_rows,
-                          max_sessions_per_principal=args.max_sessions_per_principal)
+                          max_sessions_per_principal=args.max_sessions_per_principal,
+                          adaptive_threads=not args.fixed_threads)
 
     def load() -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path

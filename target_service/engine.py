@@ -25,6 +25,7 @@ from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotF
 from dspark_grpc.runtime.kv_cache import KVCache
 from dspark_grpc.runtime.sampling import SamplingParams, make_generator
 from dspark_grpc.runtime.sessions import SessionStore
+from dspark_grpc.runtime.threads import ThreadGovernor, same_outputs_on_one_thread
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
 from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
@@ -54,6 +55,9 @@ class EngineLimits:
     # when it is smaller than one session's step.
     max_batch_rows: int = 1024
     max_sessions_per_principal: int = 0  # 0 = max_sessions
+    # Forwards on one thread while that measures faster (another process took a core; runtime/threads.py), where
+    # the model's outputs do not depend on its thread count.
+    adaptive_threads: bool = True
 
 
 @dataclass
@@ -121,15 +125,21 @@ class TargetEngine:
             limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
         self.fingerprint = (cfg.fingerprint(), tokenizer.fingerprint())
         # Every forward goes through one worker: steps of concurrent sessions share a forward (continuous batching).
+        self.threads = ThreadGovernor(torch.get_num_threads())
         self.batcher: StepBatcher[SequenceInput, ForwardOutput] = StepBatcher(
-            model.forward_batch, rows=lambda inp: inp.tokens.shape[0], max_rows=limits.max_batch_rows,
+            self._forward_batch, rows=lambda inp: inp.tokens.shape[0], max_rows=limits.max_batch_rows,
             name="target-forward", on_batch=self._on_batch, session=lambda inp: id(inp.cache))
+        self.threads.enabled = limits.adaptive_threads and self.threads.enabled and self.batcher.call(
+            lambda: same_outputs_on_one_thread(model, self.threads.threads))
         self.on_forward = None  # optional callable(BatchInfo), e.g. Prometheus metrics
         self.cost_tables: list = []  # client.cost_table.CostTable per lanes, when profiled
         # prefills started + ended, and running: a step whose wait saw neither change nor a running prefill did not
         # wait for another session's prompt (the adaptive mode's samples)
         self.prefill_epoch, self.prefills_running = 0, 0
         self._prefill_lock = threading.Lock()
+
+    def _forward_batch(self, batch: list[SequenceInput]) -> list[ForwardOutput]:
+        return self.threads.run(lambda: self.model.forward_batch(batch), sum(b.tokens.shape[0] for b in batch))
 
     def _on_batch(self, info: BatchInfo) -> None:
         if self.on_forward is not None:

@@ -152,3 +152,13 @@ def test_a_cache_dir_that_cannot_be_written_costs_only_the_save(tmp_path, capsys
     assert not save_step(Step(), blocked / "compiled" / "step.bin")
     assert "could not save the step graph" in capsys.readouterr().err
     assert save_step(Step(), tmp_path / "compiled" / "step.bin") and (tmp_path / "compiled" / "step.bin").exists()
+
+
+def test_the_compiled_step_gives_the_same_rows_on_one_thread(models):
+    """Its kernels take the caller's thread count at run time (the target's thread governor changes it between
+    forwards): a prompt chunk, a 1-row step and a tree verify on one thread equal the same on two, bitwise."""
+    from dspark_grpc.runtime.threads import same_outputs_on_one_thread
+
+    before = torch.get_num_threads()
+    assert same_outputs_on_one_thread(models[1], 2)
+    assert torch.get_num_threads() == before
