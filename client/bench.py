@@ -283,7 +283,20 @@ def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, conc
 
 def machine_info() -> dict:
     return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "processor": platform.processor()}
+            "machine": platform.machine(), "processor": platform.processor(), **_cpu_model()}
+
+
+def _cpu_model() -> dict:
+    """The CPU's model name and its widest vector extension (AVX-512 or not changes the kernels and the speed)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    vector = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    return {"cpu_model": name, "cpu_vector": vector}
 
 
 def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int,
