@@ -43,13 +43,17 @@ class _Metrics:
 
 
 def live_sessions_gauge(registry: Any, service: str, count: Callable[[], int], prefix: str = "dspark") -> None:
-    _prometheus().Gauge(f"{prefix}:{service}_live_sessions", f"Sessions open now on the {service} service.",
-                        registry=registry).set_function(count)
+    _read_at_scrape(registry, f"{prefix}:{service}_live_sessions", f"Sessions open now on the {service} service.",
+                    count)
 
 
 def forward_threads_gauge(registry: Any, model: str, threads: Callable[[], int], prefix: str = "dspark") -> None:
-    _prometheus().Gauge(f"{prefix}:{model}_forward_threads", f"Threads the {model}'s forwards run on now.",
-                        registry=registry).set_function(threads)
+    _read_at_scrape(registry, f"{prefix}:{model}_forward_threads", f"Threads the {model}'s forwards run on now.",
+                    threads)
+
+
+def _read_at_scrape(registry: Any, name: str, doc: str, value: Callable[[], int]) -> None:
+    _prometheus().Gauge(name, doc, registry=registry).set_function(value)
 
 
 class ForwardMetrics(_Metrics):
