@@ -7,7 +7,9 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md ./
 COPY dspark_grpc dspark_grpc
 COPY protos protos
+COPY speculation speculation
 COPY runtime runtime
+COPY serving serving
 COPY target_service target_service
 COPY draft_service draft_service
 COPY client client

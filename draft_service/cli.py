@@ -8,15 +8,15 @@ import logging
 import time
 from pathlib import Path
 
-import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
+import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.markov import KERNELS
-from dspark_grpc.runtime.security import server_security
-from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
+from dspark_grpc.serving.security import server_security
+from dspark_grpc.serving.server import add_serve_arguments, exit_now, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from dspark_grpc.cli_common import OneLineParser
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     servicer = DraftServicer(max_message_bytes=args.max_message_bytes, max_sessions=args.max_sessions)
     metrics = None
     if args.metrics_port is not None:
-        from dspark_grpc.runtime.service_metrics import DraftServiceMetrics, forward_threads_gauge, live_sessions_gauge
+        from dspark_grpc.serving.service_metrics import DraftServiceMetrics, forward_threads_gauge, live_sessions_gauge
 
         metrics = DraftServiceMetrics()
         live_sessions_gauge(metrics.registry, "draft",

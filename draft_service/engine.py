@@ -28,13 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_checkpoint
-from dspark_grpc.runtime.cost_profile import drafter_cost_tables
 from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
 from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.markov import Chain, check_kernel, choose_kernel, draft_chain, draft_chains
 from dspark_grpc.runtime.ngram import (
     SOURCE_BASE,
@@ -46,12 +43,15 @@ from dspark_grpc.runtime.ngram import (
     ngram_tree,
 )
 from dspark_grpc.runtime.sampling import check_temperature
-from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
-from dspark_grpc.runtime.sessions import SessionStore
-from dspark_grpc.runtime.threads import ThreadGovernor
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.tree import tree_depths
+from dspark_grpc.serving.batching import BatchInfo, StepBatcher
+from dspark_grpc.serving.cost_profile import drafter_cost_tables
+from dspark_grpc.serving.service_metrics import DraftServiceMetrics
+from dspark_grpc.serving.sessions import SessionStore
+from dspark_grpc.serving.threads import ThreadGovernor
 from dspark_grpc.speculation.cost_table import CostTable
+from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
@@ -78,7 +78,7 @@ class DraftLimits:
     sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
     max_sessions_per_principal: int = 0  # 0 = max_sessions
     max_context: int = 1 << 16  # rows a session without a DSpark drafter may hold (with one: its max length)
-    # Drafter passes on one thread while that measures faster (another process took a core; runtime/threads.py).
+    # Drafter passes on one thread while that measures faster (another process took a core; serving/threads.py).
     adaptive_threads: bool = True
 
 
@@ -381,7 +381,7 @@ class DraftEngine:
     def profile_costs(self, cache_dir: str | Path | None, lanes: tuple[int, ...] = (1, 2, 4),
                       tree_budgets: tuple[int, ...] = (4, 8, 16, 32), context: int = 128, repeats: int = 3,
                       max_seconds: float = 2.0) -> list[CostTable]:
-        """One proposal cost table per lane count (runtime/cost_profile.py `drafter_cost_tables`), kept in
+        """One proposal cost table per lane count (serving/cost_profile.py `drafter_cost_tables`), kept in
         `propose_costs`: sizes = proposal budgets, the chain at num_drafts (where that is also a tree budget, the
         tree, which runs the chain as well) and the tree budgets up to the limit."""
         d = self.drafter

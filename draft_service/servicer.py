@@ -8,11 +8,11 @@ import grpc
 import torch
 from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime.errors import InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.runtime.sampling import make_generator
-from dspark_grpc.runtime.security import principal_of
-from dspark_grpc.runtime.serving import check_enum, run_session_op, session_stream
-from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.serving.security import principal_of
+from dspark_grpc.serving.server import check_enum, run_session_op, session_stream
+from dspark_grpc.serving.tensor_codec import from_proto, to_proto
+from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.speculation.wire import KERNEL_NAMES, PROPOSER_NAMES, PROPOSERS
 
 _SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}

@@ -255,7 +255,7 @@ class CompiledStep:
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
         # size_asserts: the step's inputs have one fixed structure (as for its disabled guards); dynamic_threads: the
-        # kernels' parallel regions use the caller's thread count at run time (runtime/threads.py), not the count
+        # kernels' parallel regions use the caller's thread count at run time (serving/threads.py), not the count
         # at compile time
         dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
                                options={"emulate_precision_casts": True, "size_asserts": False,

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
 from torch import Tensor, nn
 
 from .acceptance import draft_sparse_distribution
-from .errors import FailedPrecondition, InvalidArgument
 from .transformer import Embedding
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")

@@ -13,7 +13,7 @@ profiling; any change of key (e.g. another thread count) profiles again.
 What the tables cannot know (a busy machine, the drafter competing for the cores) the adaptive mode measures
 (speculation/mode_chooser.py).
 
-Torch-free: the planners hold these; the profilers live in dspark_grpc.runtime.cost_profile.
+Torch-free: the planners hold these; the profilers live in dspark_grpc.serving.cost_profile.
 """
 
 from __future__ import annotations

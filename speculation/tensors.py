@@ -1,7 +1,7 @@
 """dspark.v1.Tensor, torch-free: raw little-endian row-major bytes with an explicit dtype and shape.
 
 One home for the wire format: the sizes, the checks, the float32 values a planner reads and the leading rows a
-cut keeps. runtime/tensor_codec.py converts to and from torch on top of it."""
+cut keeps. serving/tensor_codec.py converts to and from torch on top of it."""
 
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ import logging
 import os
 from pathlib import Path
 
-import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
+import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.compiled_step import COMPILE_MODES
-from dspark_grpc.runtime.security import server_security
-from dspark_grpc.runtime.serving import add_serve_arguments, exit_now, serve
+from dspark_grpc.serving.security import server_security
+from dspark_grpc.serving.server import add_serve_arguments, exit_now, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                               draft_ahead=args.draft_ahead)
     observe_forward = None
     if args.metrics_port is not None:
-        from dspark_grpc.runtime.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge
+        from dspark_grpc.serving.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge
         from dspark_grpc.speculation.metrics import SpecDecodeMetrics
 
         servicer.metrics = SpecDecodeMetrics()
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
                                    precision=precision, compile=compile_mode, compile_cache=compile_cache)
         if not args.no_cost_profile:
-            from dspark_grpc.runtime.cost_profile import target_cost_tables
+            from dspark_grpc.serving.cost_profile import target_cost_tables
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
             engine.cost_tables = target_cost_tables(engine.model, args.cost_cache or default_cache_dir(), progress=say)
             if say:

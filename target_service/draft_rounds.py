@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dspark_grpc.protos.dspark.v1 import draft_pb2
-from dspark_grpc.runtime.batching import StepBatcher
+from dspark_grpc.serving.batching import StepBatcher
 from dspark_grpc.speculation.channel import SessionStream
 from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.steps import SessionDrafting

@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
-from dspark_grpc.runtime.batching import BatchInfo, StepBatcher
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.runtime.kv_cache import KVCache
 from dspark_grpc.runtime.sampling import SamplingParams, make_generator
-from dspark_grpc.runtime.sessions import SessionStore
-from dspark_grpc.runtime.threads import ThreadGovernor, same_outputs_on_one_thread
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
 from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
+from dspark_grpc.serving.batching import BatchInfo, StepBatcher
+from dspark_grpc.serving.sessions import SessionStore
+from dspark_grpc.serving.threads import ThreadGovernor, same_outputs_on_one_thread
+from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.speculation.wire import PROTOCOL_VERSION
 
 from dspark_grpc.cli_common import CHAT_ROLES
@@ -55,7 +55,7 @@ class EngineLimits:
     # when it is smaller than one session's step.
     max_batch_rows: int = 1024
     max_sessions_per_principal: int = 0  # 0 = max_sessions
-    # Forwards on one thread while that measures faster (another process took a core; runtime/threads.py), where
+    # Forwards on one thread while that measures faster (another process took a core; serving/threads.py), where
     # the model's outputs do not depend on its thread count.
     adaptive_threads: bool = True
 
@@ -193,7 +193,7 @@ class TargetEngine:
         if max_length < 0:
             raise InvalidArgument(f"max_length must be >= 0, got {max_length}")
         length = min(max_length, self.max_length) if max_length else self.max_length
-        # zeros of a new cache fill in parallel: on the batcher's worker (runtime/batching.py), or this request
+        # zeros of a new cache fill in parallel: on the batcher's worker (serving/batching.py), or this request
         # thread gets an OpenMP team of its own and every later forward slows down
         cache = self.batcher.call(lambda: self.model.new_cache(max_length=length + self.limits.max_tree_nodes))
         return self.sessions.create(TargetSession(cache, layers, length), owner)
@@ -277,7 +277,7 @@ class TargetEngine:
         batches: list[BatchInfo] = []
         accepted: list[tuple[list[int], int]] = []
 
-        def accept(out: ForwardOutput) -> ForwardOutput:  # on the batcher's worker (runtime/batching.py)
+        def accept(out: ForwardOutput) -> ForwardOutput:  # on the batcher's worker (serving/batching.py)
             n = len(tokens) - 1
             if draft_ids is not None and n and not s.sampling.is_greedy and parents == list(range(-1, n)):
                 try:
@@ -388,7 +388,7 @@ class TargetEngine:
 
 def wire_captures(out: ForwardOutput) -> ForwardOutput:
     """Captures in bf16, their wire format, converted on the batcher's worker: a large conversion on a request
-    thread would give that thread an OpenMP team of its own and slow every later forward (runtime/batching.py)."""
+    thread would give that thread an OpenMP team of its own and slow every later forward (serving/batching.py)."""
     if out.captures is not None:
         out.captures = out.captures.to(torch.bfloat16)
     return out

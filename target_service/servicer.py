@@ -12,20 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.errors import (
+from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.serving.security import principal_of
+from dspark_grpc.serving.server import check_enum, log_refusal, run_session_op, session_stream, status_code
+from dspark_grpc.serving.sessions import Owner
+from dspark_grpc.serving.tensor_codec import from_proto, proto_dtype, rows_to_proto, to_proto
+from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
+from dspark_grpc.speculation.cost_table import VerifyCosts
+from dspark_grpc.speculation.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     ServiceError,
     Unavailable,
 )
-from dspark_grpc.runtime.sampling import SamplingParams
-from dspark_grpc.runtime.security import principal_of
-from dspark_grpc.runtime.serving import check_enum, log_refusal, run_session_op, session_stream, status_code
-from dspark_grpc.runtime.sessions import Owner
-from dspark_grpc.runtime.tensor_codec import from_proto, proto_dtype, rows_to_proto, to_proto
-from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
-from dspark_grpc.speculation.cost_table import VerifyCosts
 from dspark_grpc.speculation.generation import GenerationConfig, RequestError, generate_deltas
 from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
 from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -105,10 +106,14 @@ def test_compose_services(compose_binary, tmp_path):
     assert client["restart"] == "no"
 
 
-def test_dockerfile_copies_what_exists_and_exposes_both_ports():
+def test_dockerfile_copies_what_exists_and_every_package_and_exposes_both_ports():
     text = (ROOT / "Dockerfile").read_text()
+    copied = set()
     for line in re.findall(r"^COPY (.+)$", text, flags=re.MULTILINE):
         *sources, _ = line.split()
         for source in sources:
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
+            copied.add(source)
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert folders <= copied, f"the image's pip install needs {sorted(folders - copied)}: COPY them"
     assert re.search(r"^EXPOSE 50051 50052$", text, flags=re.MULTILINE)

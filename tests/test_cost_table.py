@@ -7,7 +7,7 @@ import json
 
 import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.cost_profile import profile_target, target_cost_tables, target_key, time_sizes
+from dspark_grpc.serving.cost_profile import profile_target, target_cost_tables, target_key, time_sizes
 from dspark_grpc.speculation.cost_table import (
     CostKey,
     CostTable,
@@ -190,7 +190,7 @@ def test_a_cached_table_is_reused_while_a_spot_check_agrees_and_profiled_again_w
 
 
 def test_fresh_tables_that_contradict_each_other_are_made_monotone_in_sessions():
-    from dspark_grpc.runtime.cost_profile import _monotone_in_lanes
+    from dspark_grpc.serving.cost_profile import _monotone_in_lanes
 
     fixed = _monotone_in_lanes(_lane_tables({1: [0.137, 0.140], 2: [0.090, 0.095], 8: [0.052, 0.200]}))
     assert [t.seconds for t in fixed] == [[0.137, 0.140], [0.137, 0.140], [0.137, 0.200]]

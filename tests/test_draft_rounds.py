@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.serving.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.mode_chooser import ModeChooser
 from dspark_grpc.speculation.steps import SessionDrafting

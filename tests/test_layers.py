@@ -1,7 +1,8 @@
 """Layers point one way, read from every import statement in the tree (module level and inside functions):
 
-    protos, dspark_grpc.cli_common  <-  speculation (torch-free: generation loop, cost model, planner, channels)
-    speculation  <-  runtime (model math, serving)  <-  target_service, draft_service
+    protos, dspark_grpc.cli_common  <-  speculation (torch-free: generation loop, cost model, planner, channels, errors)
+    speculation  <-  runtime (model math)  <-  serving (batcher, sessions, codec, gRPC skeleton, profilers)
+        <-  target_service, draft_service
     speculation  <-  client (the SDK: torch-free)
 
 No service imports the other or the SDK; the SDK imports neither a service, nor runtime, nor torch; nothing below
@@ -11,20 +12,22 @@ the SDK imports it.
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "client", "target_service", "draft_service")
+FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "serving", "client", "target_service", "draft_service")
 ALLOWED = {  # folder -> what it may import of ours (itself always)
     "protos": set(),
     "dspark_grpc": set(),
     "speculation": {"protos", "cli_common"},
     "client": {"protos", "cli_common", "speculation"},
-    "runtime": {"protos", "cli_common", "speculation"},
-    "target_service": {"protos", "cli_common", "speculation", "runtime"},
-    "draft_service": {"protos", "cli_common", "speculation", "runtime"},
+    "runtime": {"speculation"},  # model math: no protos, no serving
+    "serving": {"protos", "cli_common", "speculation", "runtime"},
+    "target_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
+    "draft_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
 }
 NO_TORCH = ("protos", "dspark_grpc", "speculation", "client")
 FOLDER_OF = {"cli_common": "dspark_grpc"}
@@ -64,3 +67,8 @@ def test_imports_point_one_way(folder):
             continue
         bad.append((file, name))
     assert not bad, f"{folder} imports what it must not: {bad}"
+
+
+def test_every_package_folder_has_a_layer():
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert folders == set(FOLDERS), f"pyproject.toml's packages {sorted(folders)} != this test's layers {FOLDERS}"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.runtime.sessions import Owner, SessionStore
-from dspark_grpc.runtime.tensor_codec import from_proto, rows_to_proto, to_proto
+from dspark_grpc.serving.sessions import Owner, SessionStore
+from dspark_grpc.serving.tensor_codec import from_proto, rows_to_proto, to_proto
+from dspark_grpc.speculation.errors import InvalidArgument, NotFound, ResourceExhausted
 from dspark_grpc.speculation.generation import StopStrings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,18 +146,18 @@ def test_client_sdk_does_not_import_torch():
 def test_service_cli_sets_the_openmp_spin_count_before_torch_loads(module):
     # libgomp reads GOMP_SPINCOUNT once, when torch loads it: the service's own import must set it first, and a value
     # the user exported must win.
-    code = (f"import os; import {module}; from dspark_grpc.runtime import openmp; "
+    code = (f"import os; import {module}; from dspark_grpc.serving import openmp; "
             "print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)")
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    from dspark_grpc.runtime.openmp import SPIN_COUNT
+    from dspark_grpc.serving.openmp import SPIN_COUNT
 
     assert out.stdout.split() == [SPIN_COUNT, "True"]
 
 
-def test_a_spin_count_the_user_exported_wins():  # runtime/openmp.py, which both service CLIs import first
-    code = "import os; from dspark_grpc.runtime import openmp; print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)"
+def test_a_spin_count_the_user_exported_wins():  # serving/openmp.py, which both service CLIs import first
+    code = "import os; from dspark_grpc.serving import openmp; print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GOMP_SPINCOUNT": "123"}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["123", "True"], out.stderr

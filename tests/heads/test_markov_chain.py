@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
 from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain, markov_step
+from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
 
 from .reference import reference_bias, reference_chain, reference_step
 

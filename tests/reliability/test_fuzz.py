@@ -29,7 +29,7 @@ import grpc
 import pytest
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.tensor_codec import to_proto
+from dspark_grpc.serving.tensor_codec import to_proto
 from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -285,7 +285,7 @@ def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.
 def test_a_prefill_stops_between_chunks_once_its_session_is_released(smollm2_path):
     """A stream that ends (cancelled, deadline) releases its sessions; a long prefill under way runs no further
     chunk (decode.prefill runs 512 rows per forward). Forced: the first chunk's forward releases the session."""
-    from dspark_grpc.runtime.errors import NotFound
+    from dspark_grpc.speculation.errors import NotFound
     from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 
     engine = TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=2048), progress=False)

@@ -22,7 +22,7 @@ from dspark_grpc.client import cli as client_cli
 from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.draft_service import cli as draft_cli
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.security import ServerSecurity, is_loopback
+from dspark_grpc.serving.security import ServerSecurity, is_loopback
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.target_service import cli as target_cli
 from grpc_health.v1 import health_pb2, health_pb2_grpc

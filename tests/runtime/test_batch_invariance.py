@@ -11,11 +11,11 @@ from dspark_grpc.runtime import cpu_kernels
 from dspark_grpc.runtime.batch_invariant import attention_by_row, row_keys
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
-from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.linear import pack_weight, packed_matmul
 from dspark_grpc.runtime.quant import BLOCK_TYPES, INT4_TYPES, BlockWeight, Int4Weight, QuantBlocks, int4_available
 from dspark_grpc.runtime.transformer import Transformer
 from dspark_grpc.runtime.tree import ancestor_mask
+from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")

@@ -10,14 +10,14 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from dspark_grpc.runtime import engine_bench
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.compiled_step import CompiledStep, artifact_key, load_step, save_step
 from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
-from dspark_grpc.runtime.engine_bench import ar_steps
 from dspark_grpc.runtime.quant import int4_available
 from dspark_grpc.runtime.slot_cache import SlotCache
 from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.serving import engine_bench
+from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 from test_batch_invariance import TREE_AR_STEPS, assert_verifies_equal_ar_steps, quantized, tree_of
 
@@ -157,7 +157,7 @@ def test_a_cache_dir_that_cannot_be_written_costs_only_the_save(tmp_path, capsys
 def test_the_compiled_step_gives_the_same_rows_on_one_thread(models):
     """Its kernels take the caller's thread count at run time (the target's thread governor changes it between
     forwards): a prompt chunk, a 1-row step and a tree verify on one thread equal the same on two, bitwise."""
-    from dspark_grpc.runtime.threads import same_outputs_on_one_thread
+    from dspark_grpc.serving.threads import same_outputs_on_one_thread
 
     before = torch.get_num_threads()
     assert same_outputs_on_one_thread(models[1], 2)

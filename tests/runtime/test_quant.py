@@ -8,9 +8,9 @@ import pytest
 import torch
 from dspark_grpc.runtime import cpu_kernels
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.cost_profile import target_key
 from dspark_grpc.runtime.linear import Linear, matmul_kind
 from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
+from dspark_grpc.serving.cost_profile import target_key
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 Q = gguf.GGMLQuantizationType

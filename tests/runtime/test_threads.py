@@ -1,4 +1,4 @@
-"""The thread governor (runtime/threads.py): a worker's forwards move to one thread when that measures faster (a
+"""The thread governor (serving/threads.py): a worker's forwards move to one thread when that measures faster (a
 fake clock and fake forward costs per thread count: no timing of this machine), and the fast precision's outputs do
 not depend on the thread count (so a verify on one thread still equals AR steps run on two, bitwise)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.engine_bench import ar_steps
-from dspark_grpc.runtime.threads import ThreadGovernor, same_outputs_on_one_thread
+from dspark_grpc.serving.engine_bench import ar_steps
+from dspark_grpc.serving.threads import ThreadGovernor, same_outputs_on_one_thread
 from runtime_helpers import random_tokens
 
 

@@ -5,7 +5,7 @@ steps of a run's tail, with fewer sessions left, would raise the rate of the arm
 from __future__ import annotations
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
-from dspark_grpc.runtime.sessions import Owner
+from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.mode_chooser import AR
 from dspark_grpc.target_service.servicer import TargetServicer
 

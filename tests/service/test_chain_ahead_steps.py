@@ -6,7 +6,7 @@ round's plan verify one draft token per step. So the rest of every chain holds, 
 from __future__ import annotations
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.runtime.sessions import Owner
+from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.cost_table import CostKey, CostTable
 from dspark_grpc.speculation.tensors import float32_tensor
 from dspark_grpc.target_service.draft_rounds import DraftRounds

@@ -18,11 +18,11 @@ import pytest
 import torch
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime import cost_profile
 from dspark_grpc.runtime.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.errors import FailedPrecondition, InvalidArgument
-from dspark_grpc.runtime.tensor_codec import to_proto
+from dspark_grpc.serving import cost_profile
+from dspark_grpc.serving.tensor_codec import to_proto
 from dspark_grpc.speculation.cost_table import CostTable
+from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
 
 from tests.drafter.helpers import random_features
 from tests.drafter.test_drafter_forward import TARGET
@@ -242,7 +242,7 @@ def test_prompt_lookup_only_publishes_no_cost_table(tmp_path):
 @pytest.mark.parametrize("proposer", ["dspark", "ngram"])
 def test_metrics_count_proposals_and_passes(proposer):
     pytest.importorskip("prometheus_client")
-    from dspark_grpc.runtime.service_metrics import DraftServiceMetrics
+    from dspark_grpc.serving.service_metrics import DraftServiceMetrics
 
     engine = tiny_engine()
     engine.metrics = metrics = DraftServiceMetrics()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dspark_grpc.client import TargetClient
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
-from dspark_grpc.runtime.tensor_codec import from_proto, to_proto
+from dspark_grpc.serving.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.channel import SessionStream
 
 from tests.service.conftest import MAX_SESSIONS, RawSession, health_status

@@ -1,4 +1,4 @@
-"""All of the target's torch work runs on its batcher's worker (runtime/batching.py): a request thread that runs a
+"""All of the target's torch work runs on its batcher's worker (serving/batching.py): a request thread that runs a
 parallel torch op gets an OpenMP team of its own, and with more OpenMP threads than cores libgomp stops spinning
 between parallel regions, so every later forward slows down (docs/PERFORMANCE.md). Checked where it happens: the
 OS threads that appear while a request thread drives a session (a new team shows up as its worker thread)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from dspark_grpc.runtime.errors import InvalidArgument, NotFound, ResourceExhausted
+from dspark_grpc.speculation.errors import InvalidArgument, NotFound, ResourceExhausted
 
 S = TypeVar("S")
 

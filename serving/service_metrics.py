@@ -11,7 +11,7 @@
 - `live_sessions_gauge(registry, service, count)`: `<p>:<service>_live_sessions`, the sessions open now (read at
   each scrape), on the target ("target") and the draft service ("draft").
 - `forward_threads_gauge(registry, model, threads)`: `<p>:<model>_forward_threads`, the threads the model's
-  forwards run on now (runtime/threads.py: one while that measures faster).
+  forwards run on now (serving/threads.py: one while that measures faster).
 
 Each instance has its own CollectorRegistry (or shares one passed in, e.g. a SpecDecodeMetrics' registry, so one
 /metrics endpoint serves both). prometheus-client is imported only when an instance is built.

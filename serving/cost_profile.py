@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from dspark_grpc.runtime.linear import matmul_kind
 from dspark_grpc.speculation.cost_table import (
     DEFAULT_SIZES,
     CostKey,
@@ -22,11 +23,9 @@ from dspark_grpc.speculation.cost_table import (
     spot_check_problem,
 )
 
-from .linear import matmul_kind
-
 if TYPE_CHECKING:
-    from .drafter import BlockOutput, Drafter
-    from .transformer import Transformer
+    from dspark_grpc.runtime.drafter import BlockOutput, Drafter
+    from dspark_grpc.runtime.transformer import Transformer
 
 log = logging.getLogger("dspark.cost")
 
@@ -80,7 +79,7 @@ def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
     """Median seconds of `run(size)` per size, and what was done. Sizes are interleaved round by round (a slow
     drift of the machine then spreads over every size instead of biasing the last ones); `warmup` untimed
     rounds first. Past `max_seconds` no new round starts (at least one timed round always runs). `clock`: wall
-    time, or e.g. time.process_time (CPU seconds of the process: runtime/engine_bench.py on a shared machine)."""
+    time, or e.g. time.process_time (CPU seconds of the process: serving/engine_bench.py on a shared machine)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     times: dict[int, list[float]] = {s: [] for s in sizes}
@@ -117,7 +116,7 @@ def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, rep
     Size 1 (a plain AR step: one root, no draft) is always measured. Rows verified are what the forward's cost
     depends on, so a tree of N nodes costs about what a chain of N does; the commit after it is a few row
     copies and not timed."""
-    from .decode import prefill, tree_input
+    from dspark_grpc.runtime.decode import prefill, tree_input
 
     if lanes < 1:
         raise ValueError(f"lanes must be >= 1, got {lanes}")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.errors import InvalidArgument, ServiceError
-from dspark_grpc.runtime.security import HEALTH_PREFIX, Guard, ServerSecurity, is_loopback
-from dspark_grpc.runtime.sessions import Owner
+from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, is_loopback
+from dspark_grpc.serving.sessions import Owner
+from dspark_grpc.speculation.errors import InvalidArgument, ServiceError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -274,7 +274,7 @@ def exit_now(code: int = 0) -> None:
 
 def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> asyncio.Future:
     """Run `fn` in a thread that ends with it: torch gives each thread that runs parallel ops an OpenMP team,
-    and a team left behind (e.g. in an idle executor thread) slows every later forward (runtime/batching.py)."""
+    and a team left behind (e.g. in an idle executor thread) slows every later forward (serving/batching.py)."""
     future = loop.create_future()
 
     def body() -> None:

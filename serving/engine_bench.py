@@ -1,4 +1,4 @@
-"""`python -m dspark_grpc.runtime.engine_bench`: ms per target forward for 1/2/4/8/16 verify rows per precision.
+"""`python -m dspark_grpc.serving.engine_bench`: ms per target forward for 1/2/4/8/16 verify rows per precision.
 
 Each variant is timed by the start-up profiler itself (cost_profile.profile_target: a chain verify of M rows on
 top of `--context` committed rows, sizes interleaved), `--rounds` times with the variants interleaved (a busy
@@ -17,16 +17,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import dspark_grpc.runtime.openmp  # noqa: F401  (before torch: libgomp's spin count)
+import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
+from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from dspark_grpc.runtime.compiled_step import default_compile_cache
+from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.linear import matmul_kind
+from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.serving.cost_profile import profile_target
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from .checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
-from .compiled_step import default_compile_cache
-from .cost_profile import profile_target
-from .decode import commit_path, prefill, tree_input, verify_tree
-from .linear import matmul_kind
-from .transformer import Transformer
 
 
 class _CountCalls(TorchDispatchMode):
@@ -79,7 +78,7 @@ def check_invariance(model: Transformer, steps: int = 48, context: int = 200) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dspark_grpc.runtime.engine_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dspark_grpc.serving.engine_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory; default: the embedded SmolLM2 GGUF")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--rows", default="1,2,4,8,16")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.errors import InvalidArgument
+from dspark_grpc.speculation.errors import InvalidArgument
 from dspark_grpc.speculation.tensors import tensor_problem
 
 _TORCH_DTYPE = {
