@@ -7,7 +7,9 @@ only by `plot_bench`.
 Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode and concurrency):
 - tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish). At
   concurrency 1 the modes are interleaved (each prompt in every mode, then the next prompt) and the wall time is
-  the sum of the mode's request times, so a slow drift of the machine's speed does not favour one mode.
+  the sum of the mode's request times, so a slow drift of the machine's speed does not favour one mode. At
+  concurrency > 1 each of the `--repeat` runs of a mode also has its own figure (runs_tokens_per_s): their spread
+  is the machine's run-to-run noise, against which a ratio between modes must be read.
 - acceptance_length: sum(generated - 1) / sum(target steps): tokens committed per target forward, bonus
   included (the prefill's token is no decode step's).
 - per_position_acceptance[d]: accepted at depth d+1 / drafted at depth d+1, pooled over all requests from the
@@ -212,13 +214,17 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             else:
                 runs: dict[str, list[GenerationResult]] = {m: [] for m in modes}
                 walls = dict.fromkeys(modes, 0.0)
+                rates: dict[str, list[float]] = {m: [] for m in modes}
                 for r in range(repeat):
                     for mode in modes:
                         log(f"[bench] {mode} c={c}: {len(prompts)} prompts, run {r + 1} of {repeat}")
                         rs, wall = _run_batch(client, prompts, mode, max_new_tokens, c, log, ignore_eos)
                         runs[mode] += rs
                         walls[mode] += wall
-                entries = {mode: _aggregate(runs[mode], walls[mode]) for mode in modes}
+                        rates[mode].append(sum(x.stats.generated_tokens for x in rs) / wall)
+                        log(f"[bench] {mode} c={c}, run {r + 1} of {repeat}: {rates[mode][-1]:.1f} tok/s")
+                entries = {mode: {**_aggregate(runs[mode], walls[mode]), "runs_tokens_per_s": rates[mode]}
+                           for mode in modes}
             for mode in modes:
                 entry = entries[mode]
                 results[mode][str(c)] = entry

@@ -38,7 +38,7 @@ def test_parse_mode():
 def test_bench_ar_vs_speculation(tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     args = ["bench", "--prompts", str(SMOKE), "--max-new-tokens", "8", "--modes", f"ar,speculation,{TREE}",
-            "--concurrency", "1,2", "--json", str(out), "--plot", str(plot),
+            "--concurrency", "1,2", "--repeat", "2", "--json", str(out), "--plot", str(plot),
             "--draft-timeout", "300",  # a busy CI machine must not make a drafter call fall back (asserted below)
             "--no-cost-profile"]
     run = dspark(*args, timeout=900)
@@ -51,16 +51,17 @@ def test_bench_ar_vs_speculation(tmp_path):
     config = result["config"]
     assert config["modes"] == ["ar", "speculation", TREE] and config["concurrency"] == [1, 2]
     assert config["max_new_tokens"] == 8 and config["num_prompts"] == len(load_prompts(SMOKE)) == 3
+    assert config["repeat"] == 2
     assert config["started_services"] == ["target", "draft"]
 
     results = result["results"]
     assert set(results) == {"ar", "speculation", TREE}
     for mode, by_c in results.items():
         assert set(by_c) == {"1", "2"}
-        for entry in by_c.values():
+        for c, entry in by_c.items():
             assert RESULT_KEYS <= set(entry), mode
             assert entry["tokens_per_s"] > 0 and entry["wall_s"] > 0 and entry["acceptance_length"] > 0
-            assert len(entry["outputs"]) == 3
+            assert len(entry["outputs"]) == 3 * (2 if c == "2" else 1)  # --repeat 2 at concurrency 2
             assert all(0 < len(ids) <= 8 and all(isinstance(t, int) for t in ids) for ids in entry["outputs"])
             assert all(0.0 <= r <= 1.0 for r in entry["per_position_acceptance"])
     for c in ("1", "2"):
@@ -70,7 +71,12 @@ def test_bench_ar_vs_speculation(tmp_path):
         assert spec["speculative_steps"] > 0 and spec["per_position_acceptance"]
         assert spec["fallbacks"] == []
         assert results[TREE][c]["outputs"] == ar["outputs"]
-    assert results["ar"]["1"]["outputs"] == results["ar"]["2"]["outputs"]
+        # each of the two runs at concurrency 2 has its own rate; the entry's is their harmonic mean (equal tokens)
+        for entry in (results[mode][c] for mode in results if c == "2"):
+            runs = entry["runs_tokens_per_s"]
+            assert len(runs) == 2 and min(runs) <= entry["tokens_per_s"] * (1 + 1e-9)
+            assert entry["tokens_per_s"] <= max(runs) * (1 + 1e-9)
+    assert results["ar"]["1"]["outputs"] * 2 == results["ar"]["2"]["outputs"]
     assert result["lossless"] == {"ar": True, "speculation": True, TREE: True}
 
     assert "speculation" in run.stdout and "vs AR" in run.stdout
