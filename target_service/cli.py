@@ -14,7 +14,7 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.compiled_step import COMPILE_MODES
 from dspark_grpc.serving.security import server_security
-from dspark_grpc.serving.server import add_serve_arguments, exit_now, serve
+from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -132,12 +132,12 @@ def main(argv: list[str] | None = None) -> None:
         # inductor's own cache beside the saved steps (a restart elsewhere needs both); read only when compiling
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
         precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet)
-        engine = TargetEngine.load(path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                   precision=precision, compile=compile_mode, compile_cache=compile_cache)
+        engine = in_thread_that_ends(lambda: TargetEngine.load(
+            path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet, precision=precision,
+            compile=compile_mode, compile_cache=compile_cache))
         if not args.no_cost_profile:
-            from dspark_grpc.serving.cost_profile import target_cost_tables
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
-            engine.cost_tables = target_cost_tables(engine.model, args.cost_cache or default_cache_dir(), progress=say)
+            engine.profile_costs(args.cost_cache or default_cache_dir(), progress=say)
             if say:
                 for t in engine.cost_tables:
                     say(f"cost table, {t.key.lanes} session(s) per forward: {t.describe()}")

@@ -148,6 +148,19 @@ class TargetEngine:
     def close(self) -> None:
         self.batcher.close()
 
+    def profile_costs(self, cache_dir: str | Path | None, progress: Callable[[str], None] | None = None,
+                      **sizes: object) -> list:
+        """The start-up cost tables (serving/cost_profile.py `target_cost_tables`; `sizes`: its lanes, sizes,
+        repeats, max_seconds), kept in `cost_tables`. Timed on the batcher's worker, where the forwards they price
+        run: from the calling (load) thread the forwards would have an OpenMP team of their own beside the worker's,
+        and with more OpenMP threads than cores every barrier sleeps (measured: a 1-row step timed 6x slower than
+        the steps served; docs/PERFORMANCE.md)."""
+        from dspark_grpc.serving.cost_profile import target_cost_tables
+
+        self.cost_tables = self.batcher.call(
+            lambda: target_cost_tables(self.model, cache_dir, progress=progress, **sizes))  # type: ignore[arg-type]
+        return self.cost_tables
+
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
              progress: bool = True, precision: str = "exact", compile: str = "off",

@@ -45,3 +45,68 @@ def test_a_request_thread_makes_no_openmp_team(smollm2_path, precision):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "NEW THREADS []"
+
+
+PROFILE_SCRIPT = textwrap.dedent("""
+    import os, threading, torch
+    from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+    torch.set_num_threads(2)
+    engine = TargetEngine.load({path!r}, limits=EngineLimits(max_length=512), progress=False, precision="fast")
+    engine.batcher.call(lambda: torch.ones(1 << 20).mul_(2))  # the worker's own team, made before we look
+    before = set(os.listdir("/proc/self/task"))
+    found = []
+
+    def load() -> None:  # as the service's load thread does after loading the model
+        {profile}
+        found.extend(set(os.listdir("/proc/self/task")) - before - {{str(threading.get_native_id())}})
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    engine.close()
+    print("TABLES", len(engine.cost_tables) if {through_engine!r} else 0, "NEW THREADS", sorted(found))
+""")
+PROFILE_ARGS = "None, lanes=(1, 2), sizes=(1, 2), repeats=1, max_seconds=1.0"
+
+
+@pytest.mark.parametrize("through_engine", [True, False])
+def test_the_start_up_profile_times_forwards_on_the_worker(smollm2_path, through_engine):
+    """The target's start-up cost tables are timed where the forwards they price run: a profile run on the load
+    thread gave that thread a team of its own beside the worker's, and with more OpenMP threads than cores every
+    barrier slept (a 1-row step profiled 6x slower than the steps served). The direct call shows what is checked."""
+    profile = (f"engine.profile_costs({PROFILE_ARGS})" if through_engine else
+               "from dspark_grpc.serving.cost_profile import target_cost_tables; "
+               f"target_cost_tables(engine.model, {PROFILE_ARGS})")
+    script = PROFILE_SCRIPT.format(path=str(smollm2_path), profile=profile, through_engine=through_engine)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    if through_engine:
+        assert last == "TABLES 2 NEW THREADS []"
+    else:  # the same profile from the load thread makes a team there: the thread this test would see
+        assert last.startswith("TABLES 0 NEW THREADS [") and last != "TABLES 0 NEW THREADS []"
+
+
+ENDING_THREAD_SCRIPT = textwrap.dedent("""
+    import os, time, torch
+    from dspark_grpc.serving.server import in_thread_that_ends
+    torch.set_num_threads(2)
+    before = set(os.listdir("/proc/self/task"))
+    value = in_thread_that_ends(lambda: float(torch.ones(1 << 22).mul_(2).sum()))  # a parallel op: a team there
+    deadline = time.monotonic() + 30  # the team's threads leave after their master thread: wait for them, bounded
+    while set(os.listdir("/proc/self/task")) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        in_thread_that_ends(lambda: 1 / 0)
+    except ZeroDivisionError:
+        raised = True
+    print("VALUE", value, "RAISED", raised, "LEFT", sorted(set(os.listdir("/proc/self/task")) - before))
+""")
+
+
+def test_a_model_loaded_in_a_thread_that_ends_leaves_no_team_behind():
+    """The target loads its model in a thread that ends (serving/server.py `in_thread_that_ends`) before its start-up
+    profile times forwards on the worker: the loading thread's OpenMP team goes with it."""
+    out = subprocess.run([sys.executable, "-c", ENDING_THREAD_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"VALUE {float(2 << 22)} RAISED True LEFT []"
