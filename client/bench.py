@@ -471,6 +471,10 @@ def plot_bench(result: dict, path: str | Path):
         for mode, by_c in results.items():
             ys = [by_c[str(c)]["tokens_per_s"] for c in conc]
             speed.plot(conc, ys, marker="o", label=mode, color=colors[mode])
+            for c in conc:  # each --repeat run's own figure: the machine's run-to-run spread
+                runs = by_c[str(c)].get("runs_tokens_per_s", [])
+                if len(runs) > 1:
+                    speed.vlines(c, min(runs), max(runs), color=colors[mode], linewidth=4, alpha=0.35)
             if ar and mode != "ar":
                 for c, y in zip(conc, ys, strict=True):
                     speed.annotate(f"{y / ar[str(c)]['tokens_per_s']:.2f}x", (c, y), fontsize=7, xytext=(4, 3),
@@ -479,7 +483,9 @@ def plot_bench(result: dict, path: str | Path):
             speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
         speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
                   title=f"{config['max_new_tokens']} new tokens, {config['num_prompts']} prompts (greedy); "
-                        "labels: x AR at that concurrency")
+                        "labels: x AR at that concurrency" + ("; bars: each run" if any(
+                            len(e.get("runs_tokens_per_s", [])) > 1 for by_c in results.values()
+                            for e in by_c.values()) else ""))
         speed.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
         speed.set_ylim(bottom=0)
 

@@ -212,3 +212,15 @@ def test_lossless_compares_repeated_runs_prompt_by_prompt():
     assert _lossless(results, [1, 4]) == {"ar": True, "adaptive": True, "speculation": False}
     results["ar"]["4"] = other
     assert _lossless(results, [1, 4])["ar"] is False
+
+
+def test_plot_shows_each_repeated_runs_spread_as_a_bar():
+    from dspark_grpc.client.bench import plot_bench
+
+    result = _bench_result([1, 4])
+    result["results"]["ar"]["4"]["runs_tokens_per_s"] = [30.0, 50.0]  # two runs at C = 4; C = 1 ran once
+    fig = plot_bench(result, "/dev/null")
+    speed = fig.axes[0]
+    segments = [seg for coll in speed.collections for seg in coll.get_segments()]
+    assert [[tuple(p) for p in seg] for seg in segments] == [[(4.0, 30.0), (4.0, 50.0)]]
+    assert speed.get_title().endswith("bars: each run")
