@@ -16,7 +16,7 @@ from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.serving.security import server_security
-from dspark_grpc.serving.server import add_serve_arguments, exit_now, serve
+from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from dspark_grpc.cli_common import OneLineParser
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def load() -> None:
         drafter = args.drafter or ("embedded" if args.target_model is None else "none")
-        engine = DraftEngine.load(None if drafter == "none" else drafter, args.target_model,
-                                  dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet,
-                                  seed=args.seed, precision=args.precision)
+        engine = in_thread_that_ends(lambda: DraftEngine.load(
+            None if drafter == "none" else drafter, args.target_model, dtype=getattr(torch, args.dtype), limits=limits,
+            progress=not args.quiet, seed=args.seed, precision=args.precision))
         if engine.drafter is not None and not args.no_cost_profile:
             t0 = time.perf_counter()
             tables = engine.profile_costs(args.cost_cache or default_cache_dir())

@@ -383,18 +383,20 @@ class DraftEngine:
                       max_seconds: float = 2.0) -> list[CostTable]:
         """One proposal cost table per lane count (serving/cost_profile.py `drafter_cost_tables`), kept in
         `propose_costs`: sizes = proposal budgets, the chain at num_drafts (where that is also a tree budget, the
-        tree, which runs the chain as well) and the tree budgets up to the limit."""
+        tree, which runs the chain as well) and the tree budgets up to the limit. Timed on the drafter passes'
+        worker, where the passes they price run (an OpenMP team of the calling thread's beside the worker's would
+        make every barrier sleep: target_service/engine.py `profile_costs`)."""
         d = self.drafter
-        if d is None:
+        if d is None or self._passes is None:
             self.propose_costs = []
             return []
         budgets = {b for b in tree_budgets if b <= self.limits.max_tree_budget}
         name = f"dspark:{drafter_fingerprint(d)}:{self.limits.default_kernel}:top{self.limits.tree_top_k}"
-        self.propose_costs = drafter_cost_tables(
+        self.propose_costs = self._passes.call(lambda: drafter_cost_tables(
             d, cache_dir, name, self.target_fingerprint[0], sorted(budgets | {d.config.num_drafts}),
             lambda out, anchor, b: dspark_proposal(d, out, anchor, b in budgets, b, self.limits.default_kernel, 0.0,
                                                    None, self.limits),
-            lanes=lanes, context=context, repeats=repeats, max_seconds=max_seconds)
+            lanes=lanes, context=context, repeats=repeats, max_seconds=max_seconds))
         return self.propose_costs
 
 
