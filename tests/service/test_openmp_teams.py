@@ -94,13 +94,15 @@ ENDING_THREAD_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(2)
     before = set(os.listdir("/proc/self/task"))
     value = in_thread_that_ends(lambda: float(torch.ones(1 << 22).mul_(2).sum()))  # a parallel op: a team there
-    deadline = time.monotonic() + 30  # the team's threads leave after their master thread: wait for them, bounded
-    while set(os.listdir("/proc/self/task")) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
     try:
         in_thread_that_ends(lambda: 1 / 0)
     except ZeroDivisionError:
         raised = True
+    # A joined thread's OS thread, and its team's threads after it, leave a moment after join() returns: wait for
+    # them, bounded (a thread that stays is what the test catches).
+    deadline = time.monotonic() + 60
+    while set(os.listdir("/proc/self/task")) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
     print("VALUE", value, "RAISED", raised, "LEFT", sorted(set(os.listdir("/proc/self/task")) - before))
 """)
 
