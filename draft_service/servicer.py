@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import torch
 from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -37,7 +36,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         try:
             engine = self.ready_engine()
         except ServiceError as e:
-            await context.abort(grpc.StatusCode[e.code_name], e.message)
+            await context.abort(e.status, e.message)
         c = engine.config
         info = draft_pb2.GetDrafterInfoResponse(
             name=engine.name, vocab_size=engine.vocab_size, protocol_version=PROTOCOL_VERSION,

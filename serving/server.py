@@ -78,7 +78,7 @@ def check_enum(enum, value: int, what: str) -> None:
 def log_refusal(what: str, e: ServiceError) -> None:
     """A refused request is one log line (a bad request is the client's problem, not a traceback)."""
     message = e.message if len(e.message) <= 300 else e.message[:300] + "..."
-    log.info("%s refused: %s: %s", what, e.code_name, message)
+    log.info("%s refused: %s: %s", what, e.status.name, message)
 
 
 def run_session_op(dispatch: Callable[[object, object], dict], request, owner: object, response_type: type):
@@ -90,7 +90,8 @@ def run_session_op(dispatch: Callable[[object, object], dict], request, owner: o
         status = common_pb2.Status(code=e.code, message=e.message)
     except Exception as e:  # a bug must not take the stream or the server down
         log.exception("session operation failed")
-        status = common_pb2.Status(code=13, message=f"internal error: {type(e).__name__}: {e}")
+        status = common_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0],
+                                   message=f"internal error: {type(e).__name__}: {e}")
     return response_type(request_id=request.request_id, status=status)
 
 
@@ -294,8 +295,9 @@ def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> a
 def in_thread_that_ends(fn: Callable[[], T]) -> T:
     """`fn()` in a thread of its own that ends with it (re-raising its error): the OpenMP team torch gives that thread
     ends with it. A load thread that loaded a model keeps its team, and with it and the batcher worker's team alive
-    (more OpenMP threads than cores) every barrier of the worker's forwards sleeps until the load thread ends: the
-    start-up profile, run after loading, timed a 1-row step 3x slower than the steps served."""
+    (more OpenMP threads than cores) every barrier of the worker's forwards sleeps until the load thread ends, the
+    start-up profile's included (docs/PERFORMANCE.md). `_in_own_thread` is the same for a function the event loop
+    awaits."""
     result: list[T] = []
     error: list[BaseException] = []
 

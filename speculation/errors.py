@@ -1,5 +1,5 @@
-"""Errors the services report to callers, each with its gRPC status (grpc.StatusCode: `code` in google.rpc.Code
-numbering, `code_name` as the status is named)."""
+"""Errors the services report to callers, each with its gRPC status (`status`, a grpc.StatusCode; `code`, its number
+in google.rpc.Code numbering)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,14 @@ import grpc
 
 class ServiceError(Exception):
     status = grpc.StatusCode.INTERNAL
-    code: int
-    code_name: str
-
-    def __init_subclass__(cls) -> None:
-        super().__init_subclass__()
-        cls.code, cls.code_name = cls.status.value[0], cls.status.name
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
-
-ServiceError.code, ServiceError.code_name = ServiceError.status.value[0], ServiceError.status.name
+    @property
+    def code(self) -> int:
+        return self.status.value[0]
 
 
 class InvalidArgument(ServiceError):

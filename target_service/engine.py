@@ -153,8 +153,8 @@ class TargetEngine:
         """The start-up cost tables (serving/cost_profile.py `target_cost_tables`; `sizes`: its lanes, sizes,
         repeats, max_seconds), kept in `cost_tables`. Timed on the batcher's worker, where the forwards they price
         run: from the calling (load) thread the forwards would have an OpenMP team of their own beside the worker's,
-        and with more OpenMP threads than cores every barrier sleeps (measured: a 1-row step timed 6x slower than
-        the steps served; docs/PERFORMANCE.md)."""
+        and with more OpenMP threads than cores every barrier sleeps: the tables priced steps far slower than the
+        steps served (docs/PERFORMANCE.md)."""
         from dspark_grpc.serving.cost_profile import target_cost_tables
 
         self.cost_tables = self.batcher.call(

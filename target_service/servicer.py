@@ -138,7 +138,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             engine = self.ready_engine()
         except ServiceError as e:
-            await context.abort(grpc.StatusCode[e.code_name], e.message)
+            await context.abort(e.status, e.message)
         cfg = engine.model.config
         return target_pb2.GetModelInfoResponse(
             model_name=engine.name, architecture=cfg.architecture, num_layers=cfg.num_layers,
@@ -458,7 +458,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                       f"got {request.max_new_tokens}")
         except ServiceError as e:
             log_refusal("Generate", e)
-            await context.abort(grpc.StatusCode[e.code_name], e.message)
+            await context.abort(e.status, e.message)
         max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
