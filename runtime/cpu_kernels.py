@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,6 +28,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from .progress import still_working
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_matmul.cpp", "row_attention.cpp"))
 # DSPARK_CPU_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
@@ -66,10 +69,11 @@ def _build(target: Path) -> None:
         builds = [subprocess.Popen(["g++", *compile_flags, "-c", str(source), "-o", str(obj)], text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                   for source, obj in zip(SOURCES, objects, strict=True)]
-        for build in builds:
-            output, _ = build.communicate()
-            if build.returncode:
-                raise subprocess.CalledProcessError(build.returncode, build.args, stderr=output)
+        with still_working("building the CPU kernels", every_s=15.0):
+            for build in builds:
+                output, _ = build.communicate()
+                if build.returncode:
+                    raise subprocess.CalledProcessError(build.returncode, build.args, stderr=output)
         subprocess.run(["g++", *FLAGS, *(str(o) for o in objects), *(f"-L{p}" for p in lib_dirs),
                         *(f"-Wl,-rpath,{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu", "-o", str(out)],
                        check=True, capture_output=True, text=True)
@@ -96,6 +100,8 @@ def _load_once() -> str | None:
     from .compiled_step import default_compile_cache
 
     path = _library_path(default_compile_cache())
+    if not path.exists() and shutil.which("g++") is None:
+        return "no g++ on PATH to build them"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:  # another process building it: wait for its library
