@@ -2,7 +2,7 @@
 
 One process tree: the bench (threads, one TargetClient call per request) and the two services, started here
 on free loopback ports unless addresses are given. Greedy, EOS honoured. Torch-free; matplotlib is imported
-only by `plot_bench`.
+only by `bench_figure`.
 
 Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode and concurrency):
 - tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish). At
@@ -193,6 +193,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "cost_profile": cost_profile, "link_delay_ms": link_delay_ms, "target_args": list(target_args),
             "drafter_args": list(drafter_args),
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
+            **({"commit": commit} if (commit := git_commit()) else {}),
             "target_info": {"model_name": info.model_name, "architecture": info.architecture,
                             "num_layers": info.num_layers, "device": info.device,
                             "speculation_available": info.speculation_available},
@@ -285,6 +286,22 @@ def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, conc
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if not concurrency or any(c <= 0 for c in concurrency):
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout this code runs from ("-dirty" added when tracked files differ from it);
+    None for an installed copy or without git."""
+    root = Path(__file__).resolve().parents[1]  # client/ sits in the repository root
+    try:
+        top, commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                     capture_output=True, text=True, timeout=10, check=True).stdout.split()
+        if Path(top).resolve() != root:  # an installed copy inside some other repository
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "")
 
 
 def machine_info() -> dict:
@@ -439,15 +456,40 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
+VECTORS = {"avx512": "AVX-512", "avx2": "AVX2, no AVX-512", "other": "no AVX2"}
+
+
+def run_caption(result: dict) -> str:
+    """What a result was measured on, as it records it: the target model, the CPU (model, widest vector extension,
+    count) and the code's commit."""
+    machine, config = result.get("machine", {}), result["config"]
+    model = config.get("target_info", {}).get("model_name") or config.get("target_model")
+    cpu = machine.get("cpu_model") or "CPU model not recorded"
+    vector = VECTORS.get(machine.get("cpu_vector"), "vector extension not recorded")
+    cpus = f", {machine['cpu_count']} CPUs" if machine.get("cpu_count") else ""
+    commit = config.get("commit")
+    parts = [model, f"{cpu} ({vector}){cpus}", f"commit {commit}" if commit else "commit not recorded"]
+    return " | ".join(part for part in parts if part)
+
+
 def plot_bench(result: dict, path: str | Path):
-    """Left: tok/s per mode, as labelled bars for one concurrency or lines over several, each with its ratio to AR
-    (and any baseline as a reference). Right: per-position acceptance of the speculative modes."""
+    """Draws `bench_figure(result)` into `path` (the format by its suffix); returns the Figure."""
+    fig = bench_figure(result)
+    fig.savefig(path, dpi=120)
+    return fig
+
+
+def bench_figure(result: dict):
+    """Left: tok/s per mode, as labelled bars for one concurrency or lines over several (concurrency on a log2
+    axis), each with its ratio to AR, and any baseline as a reference. Right: per-position acceptance of the
+    speculative modes. Above both: `run_caption`."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, NullLocator
 
     results, conc, config = result["results"], result["config"]["concurrency"], result["config"]
     baselines = result.get("baselines", {})
-    fig = Figure(figsize=(15, 5.2), layout="constrained")
+    fig = Figure(figsize=(15, 5.4), layout="constrained")
+    fig.suptitle(run_caption(result), fontsize=10)
     speed, accept = fig.subplots(1, 2, width_ratios=[1.2, 1])
     ar = results.get("ar")
     colors = {m: f"C{i}" for i, m in enumerate(results)}
@@ -468,26 +510,32 @@ def plot_bench(result: dict, path: str | Path):
         speed.margins(x=0.3)
         speed.set_xlim(left=0)
     else:
+        tops = [b["tokens_per_s"] for b in baselines.values()]
         for mode, by_c in results.items():
             ys = [by_c[str(c)]["tokens_per_s"] for c in conc]
             speed.plot(conc, ys, marker="o", label=mode, color=colors[mode])
+            tops += ys
             for c in conc:  # each --repeat run's own figure: the machine's run-to-run spread
                 runs = by_c[str(c)].get("runs_tokens_per_s", [])
+                tops += runs
                 if len(runs) > 1:
                     speed.vlines(c, min(runs), max(runs), color=colors[mode], linewidth=4, alpha=0.35)
-            if ar and mode != "ar":
-                for c, y in zip(conc, ys, strict=True):
-                    speed.annotate(f"{y / ar[str(c)]['tokens_per_s']:.2f}x", (c, y), fontsize=7, xytext=(4, 3),
-                                   textcoords="offset points", color=colors[mode])
         for name, base in baselines.items():
             speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
-        speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)", xticks=conc,
+        top = 1.12 * max(tops)
+        speed.set_ylim(0, top)
+        if ar:
+            _ratio_labels(speed, conc, results, ar, colors, top)
+        speed.set_xscale("log", base=2)
+        speed.set_xticks(conc, [str(c) for c in conc])
+        speed.xaxis.set_minor_locator(NullLocator())
+        speed.set_xlim(conc[0] / 1.25, conc[-1] * 1.7)  # room for the last concurrency's labels
+        speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)",
                   title=f"{config['max_new_tokens']} new tokens, {config['num_prompts']} prompts (greedy); "
                         "labels: x AR at that concurrency" + ("; bars: each run" if any(
                             len(e.get("runs_tokens_per_s", [])) > 1 for by_c in results.values()
                             for e in by_c.values()) else ""))
         speed.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
-        speed.set_ylim(bottom=0)
 
     styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
     for mode, by_c in results.items():
@@ -516,5 +564,26 @@ def plot_bench(result: dict, path: str | Path):
         accept.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         accept.text(0.5, 0.5, "no speculative steps", ha="center", va="center", transform=accept.transAxes)
-    fig.savefig(path, dpi=120)
     return fig
+
+
+def _ratio_labels(speed, conc: list[int], results: dict, ar: dict, colors: dict, top: float) -> None:
+    """Each non-AR mode's ratio to AR right of its point, at every concurrency. The labels of one concurrency are
+    stacked at least 6 % of the axis apart (lowest first, the stack kept below the top), with a thin line to a
+    point they had to leave; a white box keeps a label readable over the lines it crosses."""
+    gap = 0.06 * top
+    for c in conc:
+        marks = sorted((by_c[str(c)]["tokens_per_s"], mode) for mode, by_c in results.items() if mode != "ar")
+        placed: list[float] = []
+        for y, _ in marks:
+            placed.append(max(y, placed[-1] + gap) if placed else y)
+        over = placed[-1] - 0.96 * top if placed else 0.0
+        placed = [y - max(over, 0.0) for y in placed]
+        for (y, mode), at in zip(marks, placed, strict=True):
+            moved = abs(at - y) > 0.01 * top
+            speed.annotate(f"{y / ar[str(c)]['tokens_per_s']:.2f}x", (c, y), xytext=(c * 2 ** 0.17, at),
+                           textcoords="data", ha="left", va="center", fontsize=8, color=colors[mode], zorder=5,
+                           bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                 "alpha": 0.85},
+                           arrowprops={"arrowstyle": "-", "color": colors[mode], "linewidth": 0.6, "relpos": (0, 0.5)}
+                           if moved else None)  # from the label's left edge: clear of the labels below it
