@@ -20,6 +20,7 @@ from dspark_grpc.client.sdk import (
     TargetClient,
     make_channel,
 )
+from dspark_grpc.speculation.channel import tls_mismatch
 from dspark_grpc.speculation.generation import RequestError
 from google.protobuf.json_format import MessageToDict
 
@@ -37,11 +38,12 @@ DEMO_MESSAGES = [{"role": "user", "content": "Write a Python function that retur
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens to generate")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling; 1 = no top-p cut")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = no top-k cut")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=non_negative_int, default=None,
+                   help="sampling seed (the same seed, the same tokens); default: a fresh one per request")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -140,7 +142,8 @@ def health_check(address: str, service: str = "", timeout: float = 5.0,
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
-            print(f"{address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            hint = tls_mismatch(e.details() or "") if e.code() == grpc.StatusCode.UNAVAILABLE else None
+            print(f"{address}: {e.code().name}: {e.details()}" + (f" -- {hint}" if hint else ""), file=sys.stderr)
             return False
     print(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")
     return response.status == health_pb2.HealthCheckResponse.SERVING
@@ -174,6 +177,8 @@ def _request_failure(code: int, message: str) -> str:
     import grpc
 
     name = next((s.name for s in grpc.StatusCode if s.value[0] == code), str(code))
+    if name == "UNAVAILABLE" and (hint := tls_mismatch(message)):
+        return f"UNAVAILABLE: {message} -- {hint}"
     if name == "UNAVAILABLE":
         return (f"UNAVAILABLE: {message} -- is the service running at that address? Start it with "
                 "`dspark-target serve` (and `dspark-draft serve`), or pass --target/--drafter HOST:PORT")
@@ -208,11 +213,11 @@ def parser() -> OneLineParser:
     b.add_argument("--repeat", type=positive_int, default=1,
                    help="at concurrency > 1, run the modes in turn this many times (a drift of the machine's speed "
                         "then hits every mode alike); figures sum the repeats")
-    b.add_argument("--max-new-tokens", type=positive_int, required=True)
-    b.add_argument("--modes", type=_mode_list, default=["ar", "speculation"],
+    b.add_argument("--max-new-tokens", type=positive_int, required=True, help="most tokens per request")
+    b.add_argument("--modes", type=_mode_list, default="ar,speculation",
                    help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
                         "speculation/proposal=tree/proposer=ngram/kernel=torch/budget=16")
-    b.add_argument("--concurrency", type=_int_list, default=[1], help="comma-separated requests in flight")
+    b.add_argument("--concurrency", type=_int_list, default="1", help="comma-separated requests in flight")
     b.add_argument("--json", dest="json_out", required=True, help="write the result JSON here")
     b.add_argument("--plot", default=None, help="write a PNG (tok/s vs concurrency, per-position acceptance)")
     b.add_argument("--target", default=None, help="a running target service; default: start one")
@@ -230,33 +235,36 @@ def parser() -> OneLineParser:
                    help="pass ARG to the started draft service (repeat: --drafter-arg=--precision "
                         "--drafter-arg=exact)")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--draft-timeout", type=float, default=10.0,
+    b.add_argument("--draft-timeout", type=non_negative_float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
-    b.add_argument("--link-delay-ms", type=float, default=0.0,
+    b.add_argument("--link-delay-ms", type=non_negative_float, default=0.0,
                    help="add this one-way delay to every message on every link (client -> target, and target -> "
                         "drafter for a target bench starts): a loopback proxy, to see what a network costs")
-    b.add_argument("--connect-timeout", type=float, default=15.0,
+    b.add_argument("--connect-timeout", type=non_negative_float, default=15.0,
                    help="seconds to wait for an answer at --target/--drafter before giving up (a service that "
                         "answers but is still loading is waited for)")
     b.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
                    help="start the services without their start-up cost profile (a quick check; the adaptive "
-                        "planner then has no cost tables)")
+                        "planner then has no cost tables; by default they profile, or reuse their cached tables)")
     b.add_argument("--baseline", action="append", default=[], choices=["llama-cpp"],
                    help="also run another engine's AR on the same prompts after the modes, as a reference line: "
                         "llama-cpp (needs llama-cpp-python: `make llama-cpp`)")
     _speculation_args(b)
     d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
                                      "with speculation, side by side")
-    d.add_argument("--message", default=DEMO_MESSAGES[0]["content"])
+    d.add_argument("--message", default=DEMO_MESSAGES[0]["content"], help="the user message both modes answer")
     d.add_argument("--drafter-checkpoint", default="embedded",
                    help="what the started draft service drafts with: embedded = the DSpark drafter shipped for the "
                         "embedded SmolLM2 (hybrid with prompt lookup), none = prompt lookup only, random = a random "
                         "DSpark drafter, or a DSpark/DFlash checkpoint (HF directory or GGUF)")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--rounds", type=positive_int, default=3,
+                   help="timed rounds of the three modes in turn after the shown warm-up round: each mode's tok/s is "
+                        "reported with its spread over them, a mode compared with AR only where every round agrees")
+    d.add_argument("--json", action="store_true", help="print each mode's text, token ids and stats as JSON")
     _generation_args(d)
     _speculation_args(d)
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
-    h.add_argument("address", nargs="?", default=DEFAULT_TARGET)
+    h.add_argument("address", nargs="?", default=DEFAULT_TARGET, help="the service's address (host:port)")
     h.add_argument("--service", default="", help="service name; empty = the whole server")
     _security_args(h)
     p.commands = {"generate": g, "bench": b, "demo": d, "health": h}
@@ -298,6 +306,7 @@ def _main(argv: list[str] | None) -> None:
 def _demo(args: argparse.Namespace) -> None:
     """The main job: both services on loopback, the same request with AR and with speculation."""
     from dspark_grpc.client.bench import drafter_info
+    from dspark_grpc.client.demo import Run, run_rounds, summary
     from dspark_grpc.client.local_stack import local_drafter
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
@@ -313,19 +322,24 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) at {target}; "
               f"drafter {dinfo.name} at {drafter}", file=sys.stderr)
         messages = [{"role": "user", "content": args.message}]
-        runs = {}
-        for mode in ("ar", "speculation", "adaptive"):
+        modes = ("ar", "speculation", "adaptive")
+        compare = args.temperature == 0 or args.seed is not None
+        for mode in modes:  # a warm-up round, shown: not counted
             print(f"\n=== {mode} ===\nuser: {args.message}\nassistant: ", flush=True)
-            runs[mode] = _print_result(client, args, mode=mode, messages=messages)
-        ar = runs["ar"]
-        same = all(run[0] == ar[0] for run in runs.values())
-        print()
-        for mode in ("speculation", "adaptive"):
-            run = runs[mode]
-            print(f"=== {mode} vs AR: {run[1] / ar[1]:.2f}x tokens/s ({run[1]:.1f} vs {ar[1]:.1f}); "
-                  f"acceptance length {run[2]:.2f}")
-        print(f"=== outputs identical: {'yes' if same else 'NO'}")
-        if not same:
+            _print_result(client, args, mode=mode, messages=messages)
+        print(f"\n=== timing: {args.rounds} rounds of the three modes in turn ({args.max_new_tokens} new tokens each; "
+              "the round above warmed up and is not counted)", flush=True)
+
+        def generate(mode: str) -> Run:
+            t0 = time.perf_counter()
+            r = client.generate(messages=messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, mode=mode)
+            return Run(tuple(r.token_ids), time.perf_counter() - t0, r.stats)
+
+        runs = run_rounds(generate, modes, args.rounds, progress=lambda line: print(f"    {line}", flush=True))
+        lines = summary(runs, compare)
+        print("=== " + "\n=== ".join(lines))
+        if compare and not lines[-1].endswith("yes"):
             sys.exit(1)
 
 

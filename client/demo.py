@@ -64,15 +64,20 @@ def adaptive_choices(runs: Sequence[Run]) -> str:
     planned_ar = sum(r.stats.planned_ar_steps for r in runs)
     reasons = sorted({r.stats.fallback_reason for r in runs if r.stats.fallback_reason})
     words = f"adaptive ran {spec} speculative and {ar} AR steps"
-    if spec == 0:
-        words += (": it decoded AR only. The target's mode chooser runs whichever of AR and speculation it measures "
-                  "(or, before measuring, its cost tables predict) to give more tokens per second at this load; "
-                  "here that was AR")
-    elif ar:
-        words += (": the target's mode chooser runs the arm it measures faster at this load and probes the other "
-                  "now and then")
-    if planned_ar:
-        words += f"; {planned_ar} steps were AR because the planner's cost tables priced the draft above its gain"
+    priced = "the planner's cost tables priced a speculative step (the draft and the wider verify) above the tokens " \
+             "it expected from it"
+    if spec == 0 and ar and planned_ar >= ar:
+        words += f": it decoded AR only, because at every step {priced}"
+    else:
+        if spec == 0:
+            words += (": it decoded AR only. The target's mode chooser runs whichever of AR and speculation it "
+                      "measures (or, before measuring, its cost tables predict) to give more tokens per second at "
+                      "this load; here that was AR")
+        elif ar:
+            words += (": the target's mode chooser runs the arm it measures faster at this load and probes the other "
+                      "now and then")
+        if planned_ar:
+            words += f"; {planned_ar} of the AR steps were AR because {priced}"
     if reasons:
         words += "; speculation stopped: " + "; ".join(reasons)
     return words + "."

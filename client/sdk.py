@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation import wire
-from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
+from dspark_grpc.speculation.channel import ChannelSecurity, make_channel, tls_mismatch
 from dspark_grpc.speculation.generation import RequestError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -79,12 +79,13 @@ class TargetClient:
         `unreachable_after`, an address where nothing answers at all for that long raises ConnectionError instead."""
         start = time.monotonic()
         answered = False
-        while not (state := _serving(self._channel)):
+        last_error = [""]  # what the last unanswered health check said
+        while not (state := _serving(self._channel, last_error)):
             answered = answered or state is not None
             waited = time.monotonic() - start
             if unreachable_after is not None and not answered and waited > unreachable_after:
-                raise ConnectionError(f"nothing answers at {self.address} after {unreachable_after:g} s: is the "
-                                      "service running there?")
+                why = tls_mismatch(last_error[0], "TargetClient's security=") or "is the service running there?"
+                raise ConnectionError(f"nothing answers at {self.address} after {unreachable_after:g} s: {why}")
             if waited > timeout:
                 raise TimeoutError(f"{self.address} not SERVING after {timeout:g} s")
             time.sleep(0.2)
@@ -162,12 +163,17 @@ def _check_options(mode: str, proposal: str, budget: int, kernel: str, proposer:
         raise ValueError(f"budget must be >= 0 (0 = the drafter's default), got {budget}")
 
 
-def _serving(channel: grpc.Channel) -> bool | None:
-    """SERVING: True; answering but not (yet) serving: False; nothing answers: None."""
+def _serving(channel: grpc.Channel, last_error: list[str] | None = None) -> bool | None:
+    """SERVING: True; answering but not (yet) serving: False; nothing answers: None (the error's details then in
+    `last_error[0]`)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     except grpc.RpcError as e:
-        return None if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else False
+        if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return False
+        if last_error is not None:
+            last_error[0] = e.details() or ""
+        return None
     return status == health_pb2.HealthCheckResponse.SERVING

@@ -19,7 +19,7 @@ from dspark_grpc.serving.security import server_security
 from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
-from dspark_grpc.cli_common import OneLineParser
+from dspark_grpc.cli_common import OneLineParser, port_number, positive_int
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -27,8 +27,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="dspark-draft", description="DSpark draft service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="load a DSpark drafter and serve dspark.v1.DraftService",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("serve", help="load a DSpark drafter and serve dspark.v1.DraftService")
     s.add_argument("--drafter", default=None,
                    help="DSpark drafter checkpoint: an HF directory (z-lab DFlash, DeepSpec DSpark or speculators "
                         "layout) or a GGUF from dspark-convert; 'embedded' = the drafter shipped for the embedded "
@@ -42,9 +41,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the target checkpoint the drafter belongs to (its embedding/lm_head and fingerprint); "
                         "default: the embedded SmolLM2-135M-Instruct GGUF")
     s.add_argument("--seed", type=int, default=0, help="seed of --drafter random")
-    s.add_argument("--max-tree-budget", type=int, default=64)
-    s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix prompt lookup matches")
-    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup matches")
+    s.add_argument("--max-tree-budget", type=positive_int, default=64,
+                   help="most draft tokens one tree (or prompt lookup) proposal may hold (a larger budget is refused)")
+    s.add_argument("--ngram-min", type=positive_int, default=2, help="shortest suffix prompt lookup matches")
+    s.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix prompt lookup matches")
     s.add_argument("--kernel", choices=KERNELS, default="auto",
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="fast: the drafter's projections and head as Q8_0 blocks on our CPU kernels (where they "
                         "build; int8 weights and activations, as llama.cpp multiplies them); exact: in --dtype. "
                         "The drafter's rounding only changes what it proposes: the target's output is the same")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
                         "a free port")
     add_serve_arguments(s, default_port=50052, default_threads=1,

@@ -8,16 +8,38 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
+import re
 import sys
 from typing import NoReturn
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-SERVER_PACKAGES = ("torch", "numpy", "safetensors", "gguf", "tokenizers")
+SERVER_PACKAGES = ("torch", "numpy", "safetensors", "gguf", "tokenizers", "grpc_reflection")
+# The package is not on PyPI: it installs from a checkout (or a wheel built there with `pip wheel --no-deps .`).
+INSTALL_SERVER = ("in a dspark-grpc checkout, pip install '.[server]' (a built wheel: pip install 'WHEEL[server]'; "
+                  "the SDK alone: pip install .)")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, unless that says nothing or the wrong thing: a flag (store_true or
+    store_false: its help says what it changes), no value (None), an empty list, or help that names its default."""
+
+    _NAMES_DEFAULT = re.compile(r"\bdefault\b\s*[:=]|\bby default\b|%\(default\)", re.IGNORECASE)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or action.default in (None, [], "") or self._NAMES_DEFAULT.search(action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line: `prog: error: what (see prog --help)`, exit 2."""
+    """argparse, but a usage error is one line: `prog: error: what (see prog --help)`, exit 2; --help shows the
+    defaults (DefaultsHelpFormatter), in its sub-commands' parsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -26,6 +48,13 @@ class OneLineParser(argparse.ArgumentParser):
 def fail(prog: str, message: str, code: int = 1) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def port_number(text: str) -> int:
+    value = _number(int, text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0 picks a free one), got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -83,27 +112,47 @@ def chat_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-def _service_main(prog: str, module: str) -> None:
+def _service_main(prog: str, module: str, about: str) -> None:
+    """Runs `module`'s main() where the service dependencies are installed; where they are not (an SDK-only install),
+    --help says what the tool is and what to install (exit 0), anything else is one line saying so (exit 1)."""
     for package in SERVER_PACKAGES:
         try:
             importlib.import_module(package)
         except ImportError:
-            fail(prog, f"needs the service dependencies ({package} is not installed): "
-                       "pip install 'dspark-grpc[server]' (the SDK alone is `pip install dspark-grpc`)")
+            if any(a in ("-h", "--help") for a in sys.argv[1:]):
+                print(_without_server_help(prog, about, package))
+                sys.exit(0)
+            fail(prog, f"needs the service dependencies ({package} is not installed): {INSTALL_SERVER}")
     sys.exit(importlib.import_module(module).main())
 
 
+def _without_server_help(prog: str, about: str, missing: str) -> str:
+    try:
+        version = importlib.metadata.version("dspark-grpc")
+    except importlib.metadata.PackageNotFoundError:
+        version = "VERSION"
+    return (f"usage: {prog} ...\n\n{about}.\n\n"
+            f"This install lacks the service dependencies ({missing} is not installed). In a dspark-grpc checkout:\n"
+            "  pip install '.[server]'\n"
+            "or with a wheel built there (pip wheel --no-deps -w dist .):\n"
+            f"  pip install 'dist/dspark_grpc-{version}-py3-none-any.whl[server]'\n"
+            f"Then `{prog} --help` lists its commands and options. (The client SDK and `dspark` need only "
+            "`pip install .`)")
+
+
 def target_main() -> None:
-    _service_main("dspark-target", "dspark_grpc.target_service.cli")
+    _service_main("dspark-target", "dspark_grpc.target_service.cli", "DSpark target verifier service (gRPC)")
 
 
 def draft_main() -> None:
-    _service_main("dspark-draft", "dspark_grpc.draft_service.cli")
+    _service_main("dspark-draft", "dspark_grpc.draft_service.cli", "DSpark draft service (gRPC)")
 
 
 def convert_main() -> None:
-    _service_main("dspark-convert", "dspark_grpc.runtime.drafter_formats")
+    _service_main("dspark-convert", "dspark_grpc.runtime.drafter_formats",
+                  "Convert a DFlash/DSpark drafter HF directory to a drafter GGUF")
 
 
 def train_main() -> None:
-    _service_main("dspark-train", "dspark_grpc.runtime.train.cli")
+    _service_main("dspark-train", "dspark_grpc.runtime.train.cli",
+                  "Self-distil a DSpark drafter for a target model, end to end")

@@ -130,6 +130,28 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     intercept_stream_stream = intercept_stream_unary
 
 
+def tls_mismatch(details: str, options: str = "--tls-ca, --tls-cert/--tls-key") -> str | None:
+    """What an UNAVAILABLE's details tell of a TLS mismatch between a client and a service, for a one-line error
+    (None: nothing of the kind); `options` names where the caller sets TLS.
+
+    grpcio 1.85 words them so (tests/test_cli_help.py): a plaintext client to a TLS service, or a TLS client without
+    the certificate a mutual-TLS service requires: "failed to connect to all addresses; ...: Socket closed"; a TLS
+    client to a plaintext service: "... Tls handshake failed (TSI_PROTOCOL_FAILURE): ... WRONG_VERSION_NUMBER ...";
+    to a service whose certificate another CA signed: "... Tls handshake failed ... CERTIFICATE_VERIFY_FAILED ..."."""
+    if "handshake failed" in details.lower():
+        if "WRONG_VERSION_NUMBER" in details:
+            why = "the TLS handshake failed: the service does not seem to serve TLS"
+        elif "CERTIFICATE_VERIFY_FAILED" in details:
+            why = "the TLS handshake failed: the service's certificate is not from the CA given (or names another host)"
+        else:
+            why = "the TLS handshake failed"
+    elif "failed to connect" in details and details.rstrip().endswith("Socket closed"):
+        why = "the service closed the connection at once: it may require TLS, or over TLS a client certificate"
+    else:
+        return None
+    return f"{why} (see {options})"
+
+
 def make_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
     if security is None or not security.tls:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -9,11 +9,12 @@ the draft timeout, if shorter). The drafter is used again one probe interval aft
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import grpc
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
-from dspark_grpc.speculation.channel import SessionStream
+from dspark_grpc.speculation.channel import SessionStream, tls_mismatch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 PROBE_INTERVAL_S = 0.5
@@ -70,6 +71,18 @@ class DrafterLink:
             self.info, self.down_reason = info, ""
         return True
 
+    def unreachable(self) -> str | None:
+        """One health check that changes nothing here (the probe thread keeps the link's state): None when the
+        drafter answers (SERVING, or NOT_SERVING while it loads), else what a target says at start-up."""
+        try:
+            self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
+        except grpc.RpcError as e:
+            why = tls_mismatch(e.details() or "", "--drafter-tls-ca, --drafter-tls-cert/--drafter-tls-key") \
+                or e.details()
+            return (f"drafter {self.address} is not reachable ({e.code().name}: {why}): sessions run target-only "
+                    "until it answers")
+        return None
+
     def _down(self, reason: str) -> None:
         with self._lock:
             self.info, self.down_reason = None, reason
@@ -86,3 +99,16 @@ class DrafterLink:
             stream = SessionStream(self.stub.DraftSession, None)
             self._streams.add(stream)
             return stream
+
+
+def warn_if_unreachable(link: DrafterLink, log_prefix: str) -> threading.Thread:
+    """Says on stderr, once, if the drafter does not answer now; in a thread of its own (returned), so that a drafter
+    that never answers delays nothing. The target starts and serves either way."""
+
+    def check() -> None:
+        if (warning := link.unreachable()) is not None:
+            print(f"{log_prefix} warning: {warning}", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=check, name="drafter-first-check", daemon=True)
+    thread.start()
+    return thread

@@ -36,9 +36,13 @@ def test_adaptive_that_never_speculated_says_so_and_why():
     words = adaptive_choices([run(64, 1.0, ar_steps=64), run(64, 1.0, ar_steps=64)])
     assert words.startswith("adaptive ran 0 speculative and 128 AR steps: it decoded AR only")
     assert "mode chooser" in words
+    priced = adaptive_choices([run(64, 1.0, ar_steps=64, planned_ar_steps=64)])
+    assert priced.startswith("adaptive ran 0 speculative and 64 AR steps: it decoded AR only, because at every step "
+                             "the planner's cost tables priced")
     mixed = adaptive_choices([run(64, 1.0, ar_steps=10, speculative_steps=20, planned_ar_steps=3,
                                   fallback_reason="drafter unreachable")])
-    assert "20 speculative and 10 AR steps" in mixed and "3 steps were AR" in mixed and "drafter unreachable" in mixed
+    assert "20 speculative and 10 AR steps" in mixed and "3 of the AR steps were AR because" in mixed
+    assert "drafter unreachable" in mixed
 
 
 def test_rounds_interleave_the_modes_and_the_summary_checks_outputs():

@@ -20,7 +20,8 @@ def test_ci_resolves_the_declared_dependencies_against_the_public_index():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "check-dependencies" in ci
     check = (ROOT / ".ci" / "check-dependencies").read_text()
-    for switched_off in ("-u PIP_FIND_LINKS", "-u PIP_EXTRA_INDEX_URL", "-u PIP_CONSTRAINT", "PIP_CONFIG_FILE=/dev/null"):
+    for switched_off in ("-u PIP_FIND_LINKS", "-u PIP_EXTRA_INDEX_URL", "-u PIP_CONSTRAINT",
+                         "PIP_CONFIG_FILE=/dev/null"):
         assert switched_off in check
     assert "[server,dev]" in check and "--dry-run" in check
 

@@ -63,10 +63,41 @@ def test_a_second_target_on_a_busy_port_is_one_line(target_address):
 
 
 def test_service_tools_in_an_sdk_only_install_say_what_to_install():
+    # the package is not on PyPI: the line says how to install from a checkout (tests/test_cli_help.py: --help)
     code = ("import sys; sys.modules['torch'] = None; sys.argv = ['dspark-target', 'serve']; "
             "from dspark_grpc.cli_common import target_main; target_main()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert_one_line(out, 1, "dspark-target", "torch", "pip install 'dspark-grpc[server]'")
+    line = assert_one_line(out, 1, "dspark-target", "torch", "dspark-grpc checkout", "pip install '.[server]'",
+                           "the SDK alone: pip install .")
+    assert "pip install dspark-grpc" not in line and "pip install 'dspark-grpc[" not in line
+
+
+def test_a_target_whose_drafter_does_not_answer_says_so_and_serves():
+    proc = subprocess.Popen([str(BIN / "dspark-target"), "serve", "--port", "0", "--drafter", NOBODY, "--quiet",
+                             "--no-cost-profile", "--precision", "exact"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    errors: list[str] = []
+    readers = [threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True),
+               threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        _wait_for(lines, proc, "SERVING on", 300)
+        address = next(line for line in lines if "SERVING on" in line).split()[-1]
+        with TargetClient(address) as client:  # it serves, target-only
+            r = client.generate("Hi", max_new_tokens=2)
+        assert len(r.token_ids) == 2 and r.stats.speculative_steps == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        for reader in readers:
+            reader.join(10)
+    err = "".join(errors)
+    warnings = [line for line in err.splitlines() if "warning: drafter" in line]
+    assert len(warnings) == 1 and "Traceback" not in err, err
+    assert warnings[0].startswith(f"[dspark-target] warning: drafter {NOBODY} is not reachable (UNAVAILABLE: ")
+    assert warnings[0].endswith("sessions run target-only until it answers")
 
 
 def test_a_missing_drafter_fails_before_anything_loads():
