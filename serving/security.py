@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import inspect
-import ipaddress
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from dspark_grpc.speculation.channel import is_loopback
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 log = logging.getLogger("dspark.security")
@@ -59,13 +59,15 @@ def server_security(args) -> ServerSecurity:
         raise SystemExit(f"cannot read the security files: {e}") from e
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def exposure_warning(host: str, security: ServerSecurity) -> str | None:
+    """What a server listening on `host` exposes, said at start-up; None on loopback or with TLS."""
+    if is_loopback(host) or security.cert_chain is not None:
+        return None
+    if not security.tokens:
+        return (f"listening on {host} without TLS or a token: anyone who can reach the port can use the service "
+                "(see --tls-cert/--tls-key, --tls-client-ca, --auth-token-file)")
+    return (f"listening on {host} with bearer tokens but without TLS: the tokens travel unencrypted, so anyone on "
+            "the path can read them and use the service (add --tls-cert/--tls-key)")
 
 
 def bearer_token(metadata) -> str | None:

@@ -4,8 +4,10 @@ Needs only grpcio + protobuf."""
 
 from __future__ import annotations
 
+import ipaddress
 import queue
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +76,15 @@ class SessionStream:
 
 # gRPC's reconnect backoff grows to 2 minutes while a service is down: a restarted service would be found only
 # after tens of seconds. Retry at least once a second instead.
+# keepalive: a connection that has heard nothing for 30 s is pinged, and closed (UNAVAILABLE for its calls) when the
+# ping is not answered within 20 s: a frozen service fails its calls in under a minute instead of at their deadline.
+# The services accept pings every 10 s (serving/server.py).
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 30_000, 20_000
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS)]  # grpcio waits 60 s for a ping's ack else
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,36 @@ def tls_mismatch(details: str, options: str = "--tls-ca, --tls-cert/--tls-key") 
     return f"{why} (see {options})"
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def address_host(address: str) -> str:
+    """The host of a gRPC target: `host:port`, `[v6]:port`, `dns:///host:port`; `unix:` sockets as localhost."""
+    if address.startswith("unix:"):
+        return "localhost"
+    address = address.split("///", 1)[-1] if "://" in address else address.removeprefix("dns:")
+    if address.startswith("["):
+        return address[: address.index("]") + 1]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+
+def token_in_the_clear(address: str, security: ChannelSecurity | None) -> str | None:
+    """A warning when a bearer token would travel unencrypted to another machine, else None."""
+    if security is None or not security.token or security.tls or is_loopback(address_host(address)):
+        return None
+    return (f"the bearer token for {address} is sent without TLS: anyone on the path can read it and use the "
+            "service (give the CA with --tls-ca / ChannelSecurity(root_ca=...))")
+
+
 def make_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
+    if warning := token_in_the_clear(address, security):
+        warnings.warn(warning, stacklevel=2)
     if security is None or not security.tls:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     else:
