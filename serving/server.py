@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, is_loopback
+from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, exposure_warning
 from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -120,6 +120,7 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # the clients' keepalive pings are welcome
     ]
 
 
@@ -223,10 +224,8 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
         (service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if not security.protected and not is_loopback(host):
-        print(f"{log_prefix} WARNING: listening on {host} without TLS or a token: anyone who can reach the port can "
-              "use the service (see --tls-cert/--tls-key, --tls-client-ca, --auth-token-file)", file=sys.stderr,
-              flush=True)
+    if warning := exposure_warning(host, security):
+        print(f"{log_prefix} WARNING: {warning}", file=sys.stderr, flush=True)
     credentials = security.credentials()
     address = f"{host}:{port}"
     try:  # checked first so that a busy port is one line of ours, not also a line of gRPC's core logger
