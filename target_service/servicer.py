@@ -20,6 +20,7 @@ from dspark_grpc.serving.tensor_codec import from_proto, proto_dtype, rows_to_pr
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel
 from dspark_grpc.speculation.cost_table import VerifyCosts
 from dspark_grpc.speculation.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -448,6 +449,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     # -- single-call generation ---------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        replies = self.generation_stream(request, principal_of(context), deadline)
+        try:
+            async for reply in replies:
+                yield reply
+        except ServiceError as e:
+            await context.abort(e.status, e.message)
+        finally:
+            await replies.aclose()
+
+    async def generation_stream(self, request: target_pb2.GenerateRequest, principal: str, deadline: float | None,
+                                what: str = "Generate"):
+        """The Generate RPC's replies, for the gRPC handler and the HTTP front alike (one decoding path): a bad
+        request raises ServiceError before the first reply, a failure later (the session's ops, the deadline, given
+        as time.monotonic()) raises ServiceError with its status. Closing the generator early (a cancelled call)
+        stops the steps and frees the session. `what` names the caller in the log line of a refused request."""
         options = target_pb2.StepOptions(mode=request.mode, proposal=request.proposal, budget=request.budget,
                                          kernel=request.kernel, proposer=request.proposer)
         try:  # the fields Generate adds; the rest are checked where the session's open and prefill take them
@@ -457,18 +475,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise InvalidArgument(f"max_new_tokens must be >= 1 (leave it unset for {DEFAULT_MAX_NEW_TOKENS}), "
                                       f"got {request.max_new_tokens}")
         except ServiceError as e:
-            log_refusal("Generate", e)
-            await context.abort(e.status, e.message)
+            log_refusal(what, e)
+            raise
         max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=request.sampling, stop=list(request.stop), ignore_eos=request.ignore_eos)
         stats = common_pb2.GenerationStats()
-        owner = Owner(principal_of(context))
+        owner = Owner(principal)
         loop = asyncio.get_running_loop()
         deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, options)
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         produced: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
         # One thread runs the steps back to back: the next step starts while this loop sends the last one's tokens.
@@ -493,9 +509,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     text=item.text, token_ids=item.token_ids, finish_reason=item.finish_reason,
                     stats=stats if item.finish_reason else None)
         except _DeadlineExceeded:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+            raise DeadlineExceeded("deadline exceeded during generation") from None
         except RequestError as e:
-            await context.abort(status_code(e.code), e.message)
+            raise _with_status(status_code(e.code), e.message) from None
         finally:
             stop.set()  # cancelled or done: no further step; the one under way ends before the session is freed
             try:
@@ -503,6 +519,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             except BaseException:  # noqa: BLE001 - cancelled again while waiting: the thread still frees the session
                 pass
             self._release_owner(owner)
+
+
+def _with_status(status: grpc.StatusCode, message: str) -> ServiceError:
+    """A ServiceError with any status (a session op's, passed on as it came)."""
+    error = ServiceError(message)
+    error.status = status
+    return error
 
 
 class _DeadlineExceeded(Exception):

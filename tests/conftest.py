@@ -56,6 +56,7 @@ SHARED_SESSION_FILES = frozenset({
     "tests/service/test_fail_closed.py",
     "tests/service/test_generation.py",
     "tests/service/test_grpcurl.py",
+    "tests/service/test_http_front.py",
     "tests/service/test_readme.py",
     "tests/service/test_step_op.py",
 })

@@ -70,12 +70,13 @@ def test_compose_services(compose_binary, tmp_path):
         assert command[command.index("--host") + 1] == "0.0.0.0"
         assert command[command.index("--port") + 1] == str(port)
         assert s["healthcheck"]["test"] == ["CMD", "dspark", "health", f"127.0.0.1:{port}", "--service", grpc_service]
-        assert [p["target"] for p in s["ports"]] == [port]
+        assert [p["target"] for p in s["ports"]] == [port] + ([8000] if name == "target" else [])
     draft = services["draft"]["command"]
     assert draft[draft.index("--drafter") + 1] == "embedded"
     # Generate speculates out of the box: the target knows the draft service
     target = services["target"]["command"]
     assert target[target.index("--drafter") + 1] == "draft:50052"
+    assert target[target.index("--http-port") + 1] == "8000"  # the OpenAI-compatible HTTP API, published above
     # one local image, built by the target service and never pulled
     assert services["target"]["pull_policy"] == "build" and "build" in services["target"]
     assert services["draft"]["pull_policy"] == services["client"]["pull_policy"] == "never"
@@ -116,4 +117,4 @@ def test_dockerfile_copies_what_exists_and_every_package_and_exposes_both_ports(
             copied.add(source)
     folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
     assert folders <= copied, f"the image's pip install needs {sorted(folders - copied)}: COPY them"
-    assert re.search(r"^EXPOSE 50051 50052$", text, flags=re.MULTILINE)
+    assert re.search(r"^EXPOSE 50051 50052 8000$", text, flags=re.MULTILINE)  # gRPC target, drafter; HTTP
