@@ -149,20 +149,23 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
   }
 }
 #else
-// AVX2: a register = 8 rows x 4 codes (two per group of 16); maddubs + madd multiply u8 by s8 exactly (|products|
-// <= 128 * 127 * 2 < 2^15: no saturation). Q8 weights stay signed: |q| times x with q's sign.
-constexpr int MAX_RT = 2;
+// AVX2: a register = 8 rows x 4 codes (two per group of 16); maddubs multiplies u8 by s8 and adds pairs exactly
+// (|pair| <= 2 * 128 * 127 < 2^15: no saturation). Q4 codes are <= 15, so a block's 16 products per 16-bit lane sum
+// to at most 16 * 15 * 127 = 30480: exact in 16 bits, widened once per block. Q8 weights stay signed (|q| times x
+// with q's sign), their pairs widened at once. Each half of the 16 outputs takes its RT rows through all blocks
+// (RT rows' accumulators in registers, each weight block loaded and unpacked once for them).
+constexpr int MAX_RT = 4;
 
 template <int64_t QT, int RT>
 void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_t r0, const Output& out) {
   const int64_t nb = w.nb;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2][RT], acc_m[2][RT];
-  for (int h = 0; h < 2; ++h)
-    for (int r = 0; r < RT; ++r) acc[h][r] = acc_m[h][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* c = w.codes + (g * nb + b) * code_bytes(QT);
-    for (int h = 0; h < 2; ++h) {  // rows 0-7, then 8-15
+  alignas(32) float sums[RT][ROWS];
+  for (int h = 0; h < 2; ++h) {  // rows 0-7, then 8-15
+    __m256 acc[RT], acc_m[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = acc_m[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* c = w.codes + (g * nb + b) * code_bytes(QT);
       __m256i wv[8];
       if constexpr (is_q4(QT)) {
         const __m256i low = _mm256_set1_epi8(0x0F);
@@ -181,28 +184,30 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
       for (int r = 0; r < RT; ++r) {
         const int64_t i = (r0 + r) * nb + b;
         const int8_t* x = a.codes.data() + (r0 + r) * K + b * QK;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-          __m256i x0 = _mm256_set1_epi32(four_codes(x + 4 * j)), x1 = _mm256_set1_epi32(four_codes(x + 4 * j + 4));
-          __m256i w0 = wv[j], w1 = wv[j + 1];
-          if constexpr (QT == Q8_0) {
-            x0 = _mm256_sign_epi8(x0, w0), x1 = _mm256_sign_epi8(x1, w1);
-            w0 = _mm256_sign_epi8(w0, w0), w1 = _mm256_sign_epi8(w1, w1);
+        __m256i dots;
+        if constexpr (is_q4(QT)) {
+          __m256i s = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(four_codes(x)));
+          for (int j = 1; j < 8; ++j)
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(four_codes(x + 4 * j))));
+          dots = _mm256_madd_epi16(s, ones);
+        } else {
+          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+          for (int j = 0; j < 8; j += 2) {
+            __m256i x0 = _mm256_set1_epi32(four_codes(x + 4 * j)), x1 = _mm256_set1_epi32(four_codes(x + 4 * j + 4));
+            x0 = _mm256_sign_epi8(x0, wv[j]), x1 = _mm256_sign_epi8(x1, wv[j + 1]);
+            const __m256i w0 = _mm256_sign_epi8(wv[j], wv[j]), w1 = _mm256_sign_epi8(wv[j + 1], wv[j + 1]);
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
           }
-          s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
-          s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+          dots = _mm256_add_epi32(s0, s1);
         }
-        const __m256i dots = _mm256_add_epi32(s0, s1);
-        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[i])), acc[h][r]);
-        if constexpr (is_q4(QT)) acc_m[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[i]), acc_m[h][r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[i])), acc[r]);
+        if constexpr (is_q4(QT)) acc_m[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sum[i]), acc_m[r]);
       }
     }
+    for (int r = 0; r < RT; ++r) _mm256_store_ps(sums[r] + 8 * h, _mm256_add_ps(acc[r], acc_m[r]));
   }
-  alignas(32) float sums[ROWS];
-  for (int r = 0; r < RT; ++r) {
-    for (int h = 0; h < 2; ++h) _mm256_store_ps(sums + 8 * h, _mm256_add_ps(acc[h][r], acc_m[h][r]));
-    out.store(r0 + r, g * ROWS, sums);
-  }
+  for (int r = 0; r < RT; ++r) out.store(r0 + r, g * ROWS, sums[r]);
 }
 #endif
 

@@ -19,26 +19,35 @@
 
 namespace {
 
-constexpr int64_t LANES = 16, MAX_GROUP = 16, MAX_CHUNKS = 16;  // G <= 16 query heads per KV head, D <= 256
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// One vector register's floats: 16 with AVX-512, 8 with AVX2 (a 16-float vector on AVX2 is two registers and its
+// shuffles and masks split into scalar code). The arithmetic per lane is the same; only how keys and channels are
+// grouped into lanes (so the order of the sums) differs between the two builds, never between rows of one build.
+#ifdef __AVX512F__
+constexpr int64_t LANES = 16;
+#else
+constexpr int64_t LANES = 8;
+#endif
+constexpr int64_t MAX_GROUP = 16, MAX_CHUNKS = 256 / LANES;  // G <= 16 query heads per KV head, D <= 256
+typedef float fvec __attribute__((vector_size(LANES * 4)));
+typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
+typedef uint16_t hvec __attribute__((vector_size(LANES * 2)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
 
-inline f32x16 load_bf16(const at::BFloat16* p) {
-  u16x16 h;
+inline fvec load_bf16(const at::BFloat16* p) {
+  hvec h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;  // bf16 is float32's upper half
-  f32x16 f;
+  const uvec w = __builtin_convertvector(h, uvec) << 16;  // bf16 is float32's upper half
+  fvec f;
   std::memcpy(&f, &w, sizeof(f));
   return f;
 }
 
-inline f32x16 splat(float x) { return f32x16{} + x; }
+inline fvec splat(float x) { return fvec{} + x; }
 
-// Sums of 16 vectors' lanes at once: result lane i = sum of v[i]'s lanes (a fixed tree of halvings).
-inline f32x16 lane_sums(f32x16 v[16]) {
-  f32x16 w[8], x[4], y[2];
+// Sums of LANES vectors' lanes at once: result lane i = sum of v[i]'s lanes (a fixed tree of halvings).
+#ifdef __AVX512F__
+inline fvec lane_sums(fvec v[16]) {
+  fvec w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s 8 half sums, 8-15: v[2i+1]'s
     w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -51,59 +60,72 @@ inline f32x16 lane_sums(f32x16 v[16]) {
   return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline fvec lane_sums(fvec v[8]) {
+  fvec x[4], y[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: v[2i]'s 4 half sums, 4-7: v[2i+1]'s
+    x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // 2 lanes per vector, v[4i .. 4i+3]
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum), a degree-6 polynomial on [-ln2/2, ln2/2] scaled by
 // 2^n: within ~2 ulp of expf; exp(-inf) = 0.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const i32x16 finite = x > -std::numeric_limits<float>::infinity();
+inline fvec exp_nonpositive(fvec x) {
+  const ivec finite = x > -std::numeric_limits<float>::infinity();
   x = x < -87.f ? splat(-87.f) : x;
   // k = the integer nearest x / ln2 (x <= 0: truncating x / ln2 - 0.5 rounds to nearest)
-  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16), f32x16);
-  const f32x16 r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
+  const fvec k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec), fvec);
+  const fvec r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+  fvec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
-  f32x16 scale;
+  const ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return finite ? p * scale : f32x16{};
+  return finite ? p * scale : fvec{};
 }
 
-// One row and one key/value head: its G query heads at once (each key and value read once for them), 16 keys at a
-// time. Masked keys get probability 0.
+// One row and one key/value head: its G query heads at once (each key and value read once for them), LANES keys at
+// a time. Masked keys get probability 0.
 void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const bool* mask, int64_t C,
             int64_t G, int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores) {
   const int64_t chunks = D / LANES, blocks = (C + LANES - 1) / LANES;
-  f32x16 qf[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS] = {};
+  fvec qf[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS] = {};
   for (int64_t g = 0; g < G; ++g)
     for (int64_t j = 0; j < chunks; ++j) qf[g][j] = load_bf16(q + g * D + j * LANES) * scale;
   scores.resize(G * blocks * LANES);
-  f32x16 best[MAX_GROUP], sums[MAX_GROUP];  // per head: each lane's largest score; the probabilities' sum
+  fvec best[MAX_GROUP], sums[MAX_GROUP];  // per head: each lane's largest score; the probabilities' sum
   for (int64_t g = 0; g < G; ++g) best[g] = splat(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < blocks; ++b) {
-    f32x16 dots[MAX_GROUP][LANES];
+    fvec dots[MAX_GROUP][LANES];
     for (int64_t l = 0; l < LANES; ++l) {
       const int64_t c = b * LANES + l;
       if (c >= C || !mask[c]) {
-        for (int64_t g = 0; g < G; ++g) dots[g][l] = f32x16{};
+        for (int64_t g = 0; g < G; ++g) dots[g][l] = fvec{};
         continue;
       }
-      f32x16 kf[MAX_CHUNKS];
+      fvec kf[MAX_CHUNKS];
       for (int64_t j = 0; j < chunks; ++j) kf[j] = load_bf16(k + c * D + j * LANES);
       for (int64_t g = 0; g < G; ++g) {
-        f32x16 dot = qf[g][0] * kf[0];
+        fvec dot = qf[g][0] * kf[0];
         for (int64_t j = 1; j < chunks; ++j) dot += qf[g][j] * kf[j];
         dots[g][l] = dot;
       }
     }
-    i32x16 live;
+    ivec live;
     for (int64_t l = 0; l < LANES; ++l) live[l] = b * LANES + l < C && mask[b * LANES + l] ? -1 : 0;
     for (int64_t g = 0; g < G; ++g) {
-      const f32x16 s = live ? lane_sums(dots[g]) : splat(-std::numeric_limits<float>::infinity());
+      const fvec s = live ? lane_sums(dots[g]) : splat(-std::numeric_limits<float>::infinity());
       std::memcpy(&scores[(g * blocks + b) * LANES], &s, sizeof(s));
       best[g] = best[g] > s ? best[g] : s;
     }
@@ -111,20 +133,20 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
   for (int64_t g = 0; g < G; ++g) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < LANES; ++l) top = std::max(top, best[g][l]);
-    f32x16 total = {};
+    fvec total = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      f32x16 s;
+      fvec s;
       std::memcpy(&s, &scores[(g * blocks + b) * LANES], sizeof(s));
-      const f32x16 p = exp_nonpositive(s - top);
+      const fvec p = exp_nonpositive(s - top);
       total += p;
       std::memcpy(&scores[(g * blocks + b) * LANES], &p, sizeof(p));
     }
-    f32x16 one[LANES] = {total};
+    fvec one[LANES] = {total};
     sums[g] = splat(lane_sums(one)[0]);
   }
   for (int64_t c = 0; c < C; ++c) {
     if (!mask[c]) continue;
-    f32x16 vf[MAX_CHUNKS];
+    fvec vf[MAX_CHUNKS];
     for (int64_t j = 0; j < chunks; ++j) vf[j] = load_bf16(v + c * D + j * LANES);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * blocks * LANES + c];
@@ -134,7 +156,7 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
   for (int64_t g = 0; g < G; ++g) {
     float o[LANES];
     for (int64_t j = 0; j < chunks; ++j) {
-      const f32x16 r = acc[g][j] / sums[g];
+      const fvec r = acc[g][j] / sums[g];
       std::memcpy(o, &r, sizeof(o));
       for (int64_t l = 0; l < LANES; ++l) out[g * D + j * LANES + l] = at::BFloat16(o[l]);
     }
