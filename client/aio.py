@@ -8,7 +8,7 @@ way fails fast, the target frees the session.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from dspark_grpc.client.sdk import DEFAULT_TARGET, GenerationResult, TargetClient
@@ -16,10 +16,15 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 
 
 class AsyncTargetClient:
-    """asyncio twin of TargetClient: same constructor arguments, same generate/stream arguments."""
+    """asyncio twin of TargetClient: same constructor arguments (one address or several, balanced the same way),
+    same generate/stream arguments."""
 
-    def __init__(self, address: str = DEFAULT_TARGET, **kwargs) -> None:
+    def __init__(self, address: str | Sequence[str] = DEFAULT_TARGET, **kwargs) -> None:
         self._client = TargetClient(address, **kwargs)
+
+    @property
+    def requests_by_target(self):
+        return self._client.requests_by_target
 
     async def __aenter__(self) -> AsyncTargetClient:
         return self

@@ -194,7 +194,9 @@ def parser() -> OneLineParser:
     g.add_argument("--messages", type=chat_messages,
                    help="chat messages as JSON: [{\"role\": \"user\", \"content\": \"...\"}]; roles: system, "
                         "user, assistant, tool")
-    g.add_argument("--target", default=DEFAULT_TARGET, help="the target service's address (host:port)")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help="the target service's address (host:port; dns:///NAME:PORT balances over what NAME "
+                        "resolves to); several, comma-separated: requests go round-robin")
     g.add_argument("--mode", choices=tuple(MODES), default="adaptive",
                    help="ar = target only; speculation = draft every step (the target must have been started with "
                         "--drafter); adaptive = speculate while it pays (AR where the target has no drafter)")
@@ -287,7 +289,7 @@ def _main(argv: list[str] | None) -> None:
             g.error("give a prompt (plain text) or --messages (chat JSON)")
         prompt = {"prompt": args.prompt} if args.prompt is not None else {"messages": args.messages}
         try:
-            client = TargetClient(args.target, mode=args.mode, proposal=args.proposal,
+            client = TargetClient(_targets(args.target), mode=args.mode, proposal=args.proposal,
                                   budget=args.budget, kernel=args.kernel, proposer=args.proposer,
                                   security=_security(g, args))
         except ValueError as e:
@@ -301,6 +303,13 @@ def _main(argv: list[str] | None) -> None:
         return
 
     _demo(args)
+
+
+def _targets(value: str) -> str | list[str]:
+    """--target: one address, or a comma-separated list of them (an `ipv4:a,b` target keeps its commas)."""
+    if "," not in value or value.startswith(("ipv4:", "ipv6:")):
+        return value
+    return [a.strip() for a in value.split(",") if a.strip()]
 
 
 def _demo(args: argparse.Namespace) -> None:

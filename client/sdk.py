@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,6 +43,15 @@ MODES = {name: value for name, value in wire.MODES.items() if name}
 PROPOSALS = {name: value for name, value in wire.PROPOSALS.items() if name}
 KERNELS = {name or "auto": value for name, value in wire.KERNELS.items()}  # the CLI's spelling of the default
 PROPOSERS = {name or "default": value for name, value in wire.PROPOSERS.items()}
+# gRPC name resolvers whose one target can stand for several servers (`dns:///name:port` of a headless Service,
+# `ipv4:a:p,b:q`): the channel balances its calls over them round-robin (grpc's default, pick_first, would send
+# every call to one)
+BALANCED_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+ROUND_ROBIN = [("grpc.lb_policy_name", "round_robin")]
+
+
+def balanced(address: str) -> bool:
+    return address.startswith(BALANCED_SCHEMES)
 
 
 class TargetClient:
@@ -52,17 +64,32 @@ class TargetClient:
     step); hidden states never reach the client. `timeout` is the deadline of each
     request, in seconds (None: none). A request always ends by its deadline (plus a round trip), with the gRPC
     status as a RequestError's code. `security`: TLS, client certificate, bearer token.
+
+    Several targets (one model): a list of addresses (a channel each), or one `dns:///NAME:PORT` whose name
+    resolves to several (a headless Kubernetes Service; one channel balancing round-robin). New requests go to
+    them in turn; a request stays on its target. One that fails with UNAVAILABLE before its first reply (the target
+    is gone, draining or loading) is sent once more, to the next target; one already streaming from a target that
+    goes away fails with UNAVAILABLE. `requests_by_target` counts the requests each address answered.
     """
 
-    def __init__(self, address: str = DEFAULT_TARGET, *, mode: str = "adaptive", proposal: str = "chain",
-                 budget: int = 0, kernel: str = "auto", proposer: str = "default", timeout: float | None = 600.0,
-                 security: ChannelSecurity | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str] = DEFAULT_TARGET, *, mode: str = "adaptive",
+                 proposal: str = "chain", budget: int = 0, kernel: str = "auto", proposer: str = "default",
+                 timeout: float | None = 600.0, security: ChannelSecurity | None = None) -> None:
+        addresses = [address] if isinstance(address, str) else list(address)
+        if not addresses or not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError(f"give one target address or a list of them, got {address!r}")
+        self.address = address if isinstance(address, str) else ",".join(addresses)
+        self.addresses = addresses
         self.defaults = dict(mode=mode, proposal=proposal, budget=budget, kernel=kernel, proposer=proposer)
         _check_options(**self.defaults)
         self.timeout = timeout
-        self._channel = make_channel(address, security)
-        self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+        self._channels = [make_channel(a, security, ROUND_ROBIN if balanced(a) else ()) for a in addresses]
+        self._stubs = [target_pb2_grpc.TargetServiceStub(channel) for channel in self._channels]
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        # requests each address answered (their first reply came from it), and retries: the SDK's own counts
+        self.requests_by_target: Counter[str] = Counter()
+        self.retries = 0
         self._info: target_pb2.GetModelInfoResponse | None = None
 
     def __enter__(self) -> TargetClient:
@@ -72,16 +99,28 @@ class TargetClient:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
+
+    def _attempts(self) -> list[int]:
+        """The targets a new request tries, in order: the next one in turn, then (after UNAVAILABLE before any
+        reply) the one after it. One plain address: no retry (its only server is not there); one balanced address
+        (`dns:///`, `ipv4:`): once more on the same channel, whose round-robin picks another server."""
+        with self._lock:
+            first = next(self._turn) % len(self._stubs)
+        if len(self._stubs) > 1:
+            return [first, (first + 1) % len(self._stubs)]
+        return [0, 0] if balanced(self.addresses[0]) else [0]
 
     def wait_ready(self, timeout: float = 120.0, unreachable_after: float | None = None) -> None:
-        """Block until the target reports SERVING. A service still loading is waited for up to `timeout`; with
+        """Block until the target reports SERVING (with several targets: until one does, since requests that find
+        another one not there go on to the next). A service still loading is waited for up to `timeout`; with
         `unreachable_after`, an address where nothing answers at all for that long raises ConnectionError instead."""
         start = time.monotonic()
         answered = False
         last_error = [""]  # what the last unanswered health check said
-        while not (state := _serving(self._channel, last_error)):
-            answered = answered or state is not None
+        while not any(state := [_serving(channel, last_error) for channel in self._channels]):
+            answered = answered or any(s is not None for s in state)
             waited = time.monotonic() - start
             if unreachable_after is not None and not answered and waited > unreachable_after:
                 why = tls_mismatch(last_error[0], "TargetClient's security=") or "is the service running there?"
@@ -91,10 +130,17 @@ class TargetClient:
             time.sleep(0.2)
 
     def model_info(self, timeout: float | None = None) -> target_pb2.GetModelInfoResponse:
-        """The target's info (asked once, then kept); `timeout` defaults to the client's."""
-        if self._info is None:
-            self._info = self._stub.GetModelInfo(target_pb2.GetModelInfoRequest(),
-                                                 timeout=self.timeout if timeout is None else timeout)
+        """The target's info (asked once, then kept; with several targets, of the first that answers: they serve
+        one model); `timeout` defaults to the client's."""
+        for i, stub in enumerate(self._stubs):
+            if self._info is not None:
+                break
+            try:
+                self._info = stub.GetModelInfo(target_pb2.GetModelInfoRequest(),
+                                               timeout=self.timeout if timeout is None else timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i + 1 == len(self._stubs):
+                    raise
         return self._info
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
@@ -121,12 +167,29 @@ class TargetClient:
             stop=list(stop), ignore_eos=ignore_eos, mode=MODES[options["mode"]],
             proposal=PROPOSALS[options["proposal"]], budget=options["budget"], kernel=KERNELS[options["kernel"]],
             proposer=PROPOSERS[options["proposer"]])
-        call = self._stub.Generate(request, timeout=self.timeout)
-        if _calls is not None:
-            _calls.append(call)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        attempts = self._attempts()
         through_client = request.ByteSize()
+        for n, target in enumerate(attempts):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._stubs[target].Generate(request, timeout=timeout)
+            if _calls is not None:
+                _calls.append(call)
+            try:
+                first = next(call, None)  # an UNAVAILABLE before it: nothing reached the caller, so retry
+            except grpc.RpcError as e:
+                call.cancel()
+                if e.code() == grpc.StatusCode.UNAVAILABLE and n + 1 < len(attempts):
+                    with self._lock:  # not there (gone, draining, loading): the next target in turn
+                        self.retries += 1
+                    continue
+                raise RequestError(e.code().value[0], e.details() or e.code().name) from None
+            with self._lock:
+                self.requests_by_target[self.addresses[target]] += 1
+            break
         try:
-            for reply in call:
+            # once a reply came, the request stays on its target: a target that goes away fails it (UNAVAILABLE)
+            for reply in itertools.chain([first] if first is not None else [], call):
                 through_client += reply.ByteSize()
                 finish = _FINISH[reply.finish_reason] if reply.finish_reason else None
                 if finish is not None:

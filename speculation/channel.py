@@ -8,7 +8,7 @@ import ipaddress
 import queue
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,14 +187,16 @@ def token_in_the_clear(address: str, security: ChannelSecurity | None) -> str | 
             "service (give the CA with --tls-ca / ChannelSecurity(root_ca=...))")
 
 
-def make_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
+def make_channel(address: str, security: ChannelSecurity | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel with CHANNEL_OPTIONS, `options` added (e.g. the SDK's round-robin for a `dns:///` address)."""
     if warning := token_in_the_clear(address, security):
         warnings.warn(warning, stacklevel=2)
+    options = CHANNEL_OPTIONS + list(options)
     if security is None or not security.tls:
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(address, options=options)
     else:
-        options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", security.server_name)]
-                                     if security.server_name else [])
+        options += [("grpc.ssl_target_name_override", security.server_name)] if security.server_name else []
         credentials = grpc.ssl_channel_credentials(security.root_ca, security.private_key, security.cert_chain)
         channel = grpc.secure_channel(address, credentials, options=options)
     if security is not None and security.token:
