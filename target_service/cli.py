@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-length", type=non_negative_int, default=0, help="tokens per session; 0 = the model's context")
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
                    help="a dspark-draft service (host:port) the target speculates with, for its sessions' Steps "
-                        "(the SDK's) and Generate alike")
+                        "(the SDK's) and Generate alike; a pool as host:port,host:port (each session drafts on one "
+                        "of those that answer, chosen by its id; one that goes away costs only its sessions' speed)")
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
                    help="the decode mode of a session or Generate request that does not choose (adaptive = "
                         "speculate while it pays, when a drafter is configured)")
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                               drafter_security=drafter_security,
                               default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions,
                               draft_ahead=args.draft_ahead)
-    if servicer.drafter is not None:  # one line at start-up if it does not answer (sessions then run target-only)
-        warn_if_unreachable(servicer.drafter, "[dspark-target]")
+    for link, _ in servicer.drafter_pool():  # one line at start-up for each that does not answer
+        warn_if_unreachable(link, "[dspark-target]")
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.serving.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,12 +110,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.executor = executor or ThreadPoolExecutor(max_workers=max(8, max_sessions + 4),
                                                        thread_name_prefix="target")
         self.drafter_address = drafter_address
-        self.drafter = DrafterLink(make_channel(drafter_address, drafter_security), drafter_address,
-                                   draft_timeout).start() \
-            if drafter_address else None
-        # (without drafting ahead a session's next round comes after its client's round trip: not waited for)
-        self.rounds = DraftRounds(self.drafter, self.drafter.draft_timeout, self._round_drafted, self._plan_round,
-                                  NEXT_ROUND_WAIT_S if draft_ahead else 0.0) if self.drafter is not None else None
+        # a drafter pool: "host:port,host:port" (each session drafts on one of them, see _pick_drafter)
+        addresses = [a.strip() for a in drafter_address.split(",") if a.strip()] if drafter_address else []
+
+        def link_and_rounds(address: str) -> tuple[DrafterLink, DraftRounds]:
+            link = DrafterLink(make_channel(address, drafter_security), address, draft_timeout).start()
+            # (without drafting ahead a session's next round comes after its client's round trip: not waited for)
+            return link, DraftRounds(link, link.draft_timeout, self._round_drafted, self._plan_round,
+                                     NEXT_ROUND_WAIT_S if draft_ahead else 0.0)
+
+        pool = [link_and_rounds(a) for a in addresses]
+        self.drafter, self.rounds = pool[0] if pool else (None, None)  # the first drafter (the only one, mostly)
+        self.more_drafters = pool[1:]
+        self.session_rounds: dict[str, DraftRounds] = {}  # each drafting session's drafter (its rounds)
         self.round_calibration = RoundCalibration()
         self._costs: tuple[list, list[common_pb2.CostTable], VerifyCosts] | None = None  # see _cost_tables
         self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
@@ -167,11 +175,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _stop_drafting(self, session_id: str) -> None:
         self.step_ended.pop(session_id, None)
         drafting = self.drafting.pop(session_id, None)
-        if drafting is None or self.rounds is None:
+        rounds = self.session_rounds.pop(session_id, None)
+        if drafting is None or rounds is None:
             return
-        self.rounds.unexpect(session_id)
+        rounds.unexpect(session_id)
         if (op := drafting.finish()) is not None:
-            self.rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
+            rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
+
+    def drafter_pool(self) -> list[tuple[DrafterLink, DraftRounds]]:
+        return [] if self.drafter is None else [(self.drafter, self.rounds), *self.more_drafters]
+
+    def _pick_drafter(self, session_id: str) -> tuple[DrafterLink, DraftRounds] | None:
+        """The drafter a new session drafts on: of the pool's drafters that answer, the one its id hashes highest
+        with (rendezvous hashing: a session's choice moves only when its drafter goes away); None if none answers."""
+        up = [(link, rounds) for link, rounds in self.drafter_pool() if link.info is not None]
+        if len(up) <= 1:
+            return up[0] if up else None
+        return max(up, key=lambda pair: zlib.crc32(f"{session_id}@{pair[0].address}".encode()))
 
     def _cost_tables(self, engine: TargetEngine) -> tuple[list[common_pb2.CostTable], VerifyCosts]:
         """The engine's start-up cost tables as the wire carries them and as the planners read them (built once per
@@ -294,8 +314,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     raise FailedPrecondition("step mode SPECULATION needs a drafter; start the target with --drafter "
                                              "ADDRESS or ask for mode AR")
                 why = "no drafter configured (start the target with --drafter ADDRESS)"
-            elif (info := self.drafter.info) is None:
-                why = f"{self.drafter.down_reason}; target-only"
+            elif (info := next((link.info for link, _ in self.drafter_pool() if link.info is not None), None)) is None:
+                why = "; ".join(link.down_reason for link, _ in self.drafter_pool()) + "; target-only"
             elif layers or drafter:
                 raise InvalidArgument("step_options with a drafter of the target's: leave capture_layer_ids and "
                                       "drafter_target unset (the target feeds its own drafter)")
@@ -310,11 +330,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             why = f"the target refused the drafter ({e.message}); target-only"
             info = None
             sid = engine.open_session([], None, m.protocol_version, m.max_length, owner)
+        picked = self._pick_drafter(sid) if info is not None else None
+        if info is not None and picked is None:  # its drafter went away between the two looks
+            info, why = None, "; ".join(link.down_reason for link, _ in self.drafter_pool()) + "; target-only"
         if info is not None:
+            link, rounds = picked
+            info = link.info or info
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
+            self.session_rounds[sid] = rounds
             drafting = self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
-                                                                  self.rounds.generation)
+                                                                  rounds.generation)
             drafting.encode_rows = functools.partial(capture_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
@@ -333,8 +359,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         finally:  # no round asked for: the next one must not wait for this session
             if drafting is not None:
                 drafting.in_step = False
-            if self.rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
-                self.rounds.unexpect(sid)
+            rounds = self.session_rounds.get(sid)
+            if rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
+                rounds.unexpect(sid)
 
     def _run_step(self, engine: TargetEngine, sid: str, tokens_left: int,
                   drafting: SessionDrafting | None) -> target_pb2.Stepped:
@@ -359,7 +386,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     report.draft_ready = report.draft_from_chain = True
                     proposal = planned.from_chain
                     # other sessions' round under way: verify with them, not alone beside their drafter pass
-                    self.rounds.wait_for_round(NEXT_ROUND_WAIT_S)
+                    self.session_rounds[sid].wait_for_round(NEXT_ROUND_WAIT_S)
                     reply_depth = self._chain_depths([proposal])[0]
                 else:
                     if planned.reply is not None:  # drafted ahead
@@ -367,7 +394,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         ops, reply = planned.ops, planned.reply.result()
                     else:
                         ops = drafting.round_ops(pending, length, arm)
-                        reply = self.rounds.submit(RoundJob(drafting, ops))
+                        reply = self.session_rounds[sid].submit(RoundJob(drafting, ops))
                     proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
                     if reply.replies is None:
                         drafting.fail(reply.error)
@@ -444,7 +471,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if from_chain is not None:
             return NextStep(arm, from_chain=from_chain)
         ops = drafting.round_ops(anchor, position, arm)
-        return NextStep(arm, ops, self.rounds.submit_ahead(RoundJob(drafting, ops, verify_follows=False)))
+        rounds = self.session_rounds[drafting.session_id]
+        return NextStep(arm, ops, rounds.submit_ahead(RoundJob(drafting, ops, verify_follows=False)))
 
     # -- single-call generation ---------------------------------------------------------------------
 
