@@ -137,6 +137,23 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+async def drain_tasks(idle: asyncio.Event, running: set[asyncio.Task], ending: set[asyncio.Task],
+                      grace_s: float) -> int:
+    """Wait up to `grace_s` for `idle`, then cancel the tasks still running (marked in `ending`: cancelled by the
+    shutdown, not by their clients). Returns how many were cancelled."""
+    try:
+        await asyncio.wait_for(idle.wait(), grace_s)
+        return 0
+    except TimeoutError:
+        left = list(running)
+    ending.update(left)
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=10)
+    return len(left)
+
+
 class Lifecycle(grpc.aio.ServerInterceptor):
     """Tracks the RPCs under way, health aside, for a graceful shutdown (`drain`): new RPCs are refused with
     UNAVAILABLE while health keeps answering (NOT_SERVING), the server stops as soon as the last real RPC has ended
@@ -152,16 +169,7 @@ class Lifecycle(grpc.aio.ServerInterceptor):
     async def drain(self, grace_s: float) -> int:
         """Refuse new RPCs, wait up to `grace_s` for the running ones, end those left. Returns how many were ended."""
         self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), grace_s)
-            return 0
-        except TimeoutError:
-            left = list(self._running)
-        self._ending.update(left)
-        for task in left:
-            task.cancel()
-        await asyncio.wait(left, timeout=10)
-        return len(left)
+        return await drain_tasks(self._idle, self._running, self._ending, grace_s)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

