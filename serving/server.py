@@ -295,8 +295,9 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
     if ended:
         print(f"{log_prefix} {ended} RPC(s) still running at the grace period's end: ended (UNAVAILABLE)", flush=True)
     # The statuses of the RPCs just ended may still be on their way out: stop(0) would replace them with gRPC's own
-    # "Cancelling all calls". A short grace lets them go (an open health Watch holds it no longer than that).
-    await server.stop(0.5 if ended else 0)
+    # "Cancelling all calls". A short grace lets them go (it ends as soon as they are out; an open health Watch holds
+    # it no longer than that); on a busy machine half a second was sometimes too short for one of them.
+    await server.stop(2.0 if ended else 0)
 
 
 def exit_now(code: int = 0) -> None:
