@@ -137,21 +137,42 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-async def drain_tasks(idle: asyncio.Event, running: set[asyncio.Task], ending: set[asyncio.Task],
-                      grace_s: float) -> int:
-    """Wait up to `grace_s` for `idle`, then cancel the tasks still running (marked in `ending`: cancelled by the
-    shutdown, not by their clients). Returns how many were cancelled."""
-    try:
-        await asyncio.wait_for(idle.wait(), grace_s)
-        return 0
-    except TimeoutError:
-        left = list(running)
-    ending.update(left)
-    for task in left:
-        task.cancel()
-    if left:
-        await asyncio.wait(left, timeout=10)
-    return len(left)
+class RunningTasks:
+    """The requests under way, for a graceful shutdown (the gRPC lifecycle's and the HTTP front's): `drain` waits
+    for them up to a grace period, then cancels those left, marked in `ending` (cancelled by the shutdown, not by
+    their clients)."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task] = set()
+        self.ending: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def add(self, task: asyncio.Task) -> None:
+        self._running.add(task)
+        self._idle.clear()
+
+    def discard(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._idle.set()
+
+    async def drain(self, grace_s: float) -> int:
+        """Returns how many were cancelled."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+            return 0
+        except TimeoutError:
+            left = list(self._running)
+        self.ending.update(left)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=10)
+        return len(left)
 
 
 class Lifecycle(grpc.aio.ServerInterceptor):
@@ -161,15 +182,12 @@ class Lifecycle(grpc.aio.ServerInterceptor):
 
     def __init__(self) -> None:
         self.draining = False
-        self._running: set[asyncio.Task] = set()
-        self._ending: set[asyncio.Task] = set()  # cancelled by `drain` (not by their clients)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.tasks = RunningTasks()
 
     async def drain(self, grace_s: float) -> int:
         """Refuse new RPCs, wait up to `grace_s` for the running ones, end those left. Returns how many were ended."""
         self.draining = True
-        return await drain_tasks(self._idle, self._running, self._ending, grace_s)
+        return await self.tasks.drain(grace_s)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -184,14 +202,11 @@ class Lifecycle(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry elsewhere or "
                                     "after it restarts")
             task = asyncio.current_task()
-            self._running.add(task)
-            self._idle.clear()
+            self.tasks.add(task)
             return task
 
         def leave(task: asyncio.Task) -> None:  # not current_task(): a dropped generator is closed by another task
-            self._running.discard(task)
-            if not self._running:
-                self._idle.set()
+            self.tasks.discard(task)
 
         async def ended(context) -> None:  # cancelled by `drain`: a status for the client, not a traceback
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server shut down: its grace period ended before "
@@ -204,7 +219,7 @@ class Lifecycle(grpc.aio.ServerInterceptor):
                     async for response in behavior(request, context):
                         yield response
                 except asyncio.CancelledError:
-                    if task not in self._ending:
+                    if task not in self.tasks.ending:
                         raise
                     await ended(context)
                 finally:
@@ -215,7 +230,7 @@ class Lifecycle(grpc.aio.ServerInterceptor):
                 try:
                     return await behavior(request, context)
                 except asyncio.CancelledError:
-                    if task not in self._ending:
+                    if task not in self.tasks.ending:
                         raise
                     await ended(context)
                 finally:

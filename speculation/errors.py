@@ -40,3 +40,7 @@ class FailedPrecondition(ServiceError):
 
 class Unavailable(ServiceError):
     status = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(ServiceError):
+    status = grpc.StatusCode.UNAUTHENTICATED

@@ -21,8 +21,8 @@ import grpc
 from aiohttp import web
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 from dspark_grpc.serving.security import Guard, principal_of
-from dspark_grpc.serving.server import drain_tasks, log_refusal
-from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unavailable
+from dspark_grpc.serving.server import RunningTasks, log_refusal
+from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from dspark_grpc.speculation.wire import KERNELS, MODES, PROPOSALS, PROPOSERS
 from dspark_grpc.target_service.servicer import TargetServicer
 from google.protobuf import json_format
@@ -58,10 +58,6 @@ class BadField(InvalidArgument):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-class Unauthenticated(ServiceError):
-    status = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Draining(Unavailable):
@@ -223,10 +219,7 @@ class HttpFront:
         self.log_prefix = log_prefix
         self.draining = False
         self.created = int(time.time())
-        self._running: set[asyncio.Task] = set()  # the generation requests under way
-        self._ending: set[asyncio.Task] = set()  # cancelled by `drain` (not by their clients)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.tasks = RunningTasks()  # the generation requests under way
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -254,7 +247,7 @@ class HttpFront:
     async def drain(self, grace_s: float) -> None:
         """New requests get 503; running ones get `grace_s` to finish, then are cancelled (their sessions freed)."""
         self.draining = True
-        if ended := await drain_tasks(self._idle, self._running, self._ending, grace_s):
+        if ended := await self.tasks.drain(grace_s):
             print(f"{self.log_prefix} {ended} HTTP request(s) still running at the grace period's end: ended (503)",
                   flush=True)
         if self._runner is not None:
@@ -306,8 +299,7 @@ class HttpFront:
             raise BadField(None, f"the request body is not valid JSON ({e})") from None
         generate, stream, include_usage = generate_request(body, chat)
         task = asyncio.current_task()
-        self._running.add(task)
-        self._idle.clear()
+        self.tasks.add(task)
         replies = self.servicer.generation_stream(generate, principal_of(_HttpCall(request)), None,
                                                   what=f"HTTP {request.path}")
         try:
@@ -327,15 +319,13 @@ class HttpFront:
             raise ended from None
         finally:
             await replies.aclose()  # cancelled (the client went away) or done: the steps stop, the session is freed
-            self._running.discard(task)
-            if not self._running:
-                self._idle.set()
+            self.tasks.discard(task)
 
     def _ended(self) -> Draining | None:
         """For a cancelled request: Draining (answered with 503) when `drain` cancelled it at the grace period's end,
         as the gRPC port answers UNAVAILABLE; None when its client went away (the cancellation goes on)."""
         task = asyncio.current_task()
-        if task not in self._ending:
+        if task not in self.tasks.ending:
             return None
         task.uncancel()
         return Draining("the server shut down: its grace period ended before this request did; retry elsewhere or "

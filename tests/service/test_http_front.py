@@ -201,10 +201,10 @@ def test_drain_ends_running_requests_with_503():
             streamed = await session.post(url, json={**body, "stream": True})
             events = [await streamed.content.readline()]  # the first token: both requests are running
             for _ in range(1000):  # (the other request may not have reached the servicer yet)
-                if len(front._running) == 2:
+                if len(front.tasks) == 2:
                     break
                 await asyncio.sleep(0.01)
-            assert len(front._running) == 2
+            assert len(front.tasks) == 2
             await front.drain(grace_s=0.0)
             events += [line async for line in streamed.content if line.strip()]
             response = await whole
