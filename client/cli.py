@@ -18,6 +18,7 @@ from dspark_grpc.client.sdk import (
     PROPOSERS,
     ChannelSecurity,
     TargetClient,
+    balanced,
     make_channel,
 )
 from dspark_grpc.speculation.channel import tls_mismatch
@@ -80,25 +81,23 @@ def _mode_list(text: str) -> list[str]:
     return modes
 
 
-def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | None = None,
-                  **prompt) -> tuple[list[int], float, float]:
-    """Generate (streaming the text, or as JSON); returns (token ids, tokens/s end to end, acceptance length)."""
+def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | None = None, **prompt) -> None:
+    """Generate, streaming the text (or printing it as JSON)."""
     t0 = time.perf_counter()
     if args.json:
         r = client.generate(**prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, mode=mode)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                           "stats": MessageToDict(r.stats, preserving_proto_field_name=True)}, indent=2))
-        return r.token_ids, r.stats.tokens_per_second, r.stats.acceptance_length
+        return
     from dspark_grpc.protos.dspark.v1 import common_pb2
 
     stats = common_pb2.GenerationStats()
-    finish, ids = None, []
-    for text, toks, reason in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
+    finish = None
+    for text, _, reason in client.stream(**prompt, max_new_tokens=args.max_new_tokens,
                                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                             seed=args.seed, stop=args.stop, stats=stats, mode=mode):
         finish = reason
-        ids.extend(toks)
         sys.stdout.write(text)
         sys.stdout.flush()
     wall = time.perf_counter() - t0
@@ -111,7 +110,6 @@ def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | No
               f"{stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s")
     if stats.fallback_reason:
         print(f"--- fallback: {stats.fallback_reason}")
-    return ids, stats.generated_tokens / wall, stats.acceptance_length
 
 
 def _security_args(p: argparse.ArgumentParser) -> None:
@@ -307,7 +305,7 @@ def _main(argv: list[str] | None) -> None:
 
 def _targets(value: str) -> str | list[str]:
     """--target: one address, or a comma-separated list of them (an `ipv4:a,b` target keeps its commas)."""
-    if "," not in value or value.startswith(("ipv4:", "ipv6:")):
+    if "," not in value or balanced(value):
         return value
     return [a.strip() for a in value.split(",") if a.strip()]
 
