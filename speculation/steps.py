@@ -21,6 +21,8 @@ from dspark_grpc.speculation.round_planner import predicted_accepted
 from dspark_grpc.speculation.tensors import concat_rows, first_rows, float32_tensor, float32_values
 from dspark_grpc.speculation.wire import CODE_NAMES, PROTOCOL_VERSION
 
+MAX_MOVES = 3  # a session's moves to another drafter of a pool (then it continues target-only)
+
 
 @dataclass
 class FittedTree:
@@ -84,16 +86,45 @@ class SessionDrafting:
     # `encode_rows(start, rows)` when the round is built, not at every step (an AR stretch sends one append).
     encode_rows: Callable[[int, list[Any]], common_pb2.HiddenCapture] | None = None
     unsent: UnsentRows | None = None
+    # Everything the drafter was given (one append per queued append, rolled back with the session): kept where the
+    # session can move to another drafter of a pool (`reopen`), else None.
+    context: list[draft_pb2.AppendContext] | None = None
+    target: common_pb2.Fingerprint = field(default_factory=common_pb2.Fingerprint)  # the open's
+    moves: int = 0
+    moved: list[str] = field(default_factory=list)  # moves to another drafter not reported yet
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,
-              target: common_pb2.Fingerprint, chooser: ModeChooser, stream_generation: int) -> SessionDrafting:
-        s = cls(session_id, options, info, stream_generation=stream_generation)
+              target: common_pb2.Fingerprint, chooser: ModeChooser, stream_generation: int,
+              movable: bool = False) -> SessionDrafting:
+        s = cls(session_id, options, info, stream_generation=stream_generation, context=[] if movable else None,
+                target=target)
         if options.mode == common_pb2.DECODE_MODE_ADAPTIVE:
             s.chooser = chooser
-        s.queued.append(draft_pb2.DraftSessionRequest(open=draft_pb2.OpenDraft(
-            protocol_version=PROTOCOL_VERSION, target=target, session_id=session_id)))
+        s.queued.append(s._open_op())
         return s
+
+    def _open_op(self) -> draft_pb2.DraftSessionRequest:
+        return draft_pb2.DraftSessionRequest(open=draft_pb2.OpenDraft(
+            protocol_version=PROTOCOL_VERSION, target=self.target, session_id=self.session_id))
+
+    def reopen(self, why: str, drafter: str) -> bool:
+        """Move the draft session to another drafter (its draft state was lost with the last one: `why`): its next
+        round opens it there and re-sends the whole context. False where the context was not kept (no pool), after
+        MAX_MOVES moves, or when drafting has failed for good."""
+        if self.context is None or not self.active or self.moves >= MAX_MOVES:
+            return False
+        self._send_unsent()
+        self.queued = [self._open_op(), *(draft_pb2.DraftSessionRequest(append=a) for a in self.context)]
+        self.opened, self.next, self.rest = False, None, None
+        self.moves += 1
+        self.moved.append(f"step {self.steps}: {why}; drafting moved to {drafter}")
+        return True
+
+    def _queue_append(self, op: draft_pb2.AppendContext) -> None:
+        self.queued.append(draft_pb2.DraftSessionRequest(append=op))
+        if self.context is not None:
+            self.context.append(op)
 
     @property
     def active(self) -> bool:
@@ -111,7 +142,7 @@ class SessionDrafting:
         op = draft_pb2.AppendContext(session_id=self.session_id, start_position=start, tokens=tokens)
         if capture is not None and capture.layer_ids:  # prompt lookup alone takes token ids only
             op.capture.CopyFrom(capture)
-        self.queued.append(draft_pb2.DraftSessionRequest(append=op))
+        self._queue_append(op)
 
     def append_rows(self, start: int, tokens: list[int], rows: Any) -> None:
         """Committed rows for the drafter with their captures as the target holds them (`rows`: opaque here, one
@@ -130,9 +161,9 @@ class SessionDrafting:
         unsent, self.unsent = self.unsent, None
         if unsent is not None:
             assert self.encode_rows is not None
-            self.queued.append(draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(
+            self._queue_append(draft_pb2.AppendContext(
                 session_id=self.session_id, start_position=unsent.start, tokens=unsent.tokens,
-                capture=self.encode_rows(unsent.start, unsent.rows))))
+                capture=self.encode_rows(unsent.start, unsent.rows)))
 
     def rollback(self, length: int) -> None:
         """The target session was rolled back to `length` rows: the drafter's context follows (with the next
@@ -142,6 +173,9 @@ class SessionDrafting:
             self._send_unsent()
             self.queued.append(draft_pb2.DraftSessionRequest(truncate=draft_pb2.TruncateContext(
                 session_id=self.session_id, length=length)))
+            if self.context is not None:
+                self.context = [a for a in (first_tokens(a, length - a.start_position) for a in self.context)
+                                if a is not None]
 
     def plan(self, load: int) -> int:
         """AR, or the proposer to draft with this step (`load`: the sessions stepping now)."""
@@ -278,6 +312,20 @@ def _follows(last: draft_pb2.AppendContext, a: draft_pb2.AppendContext) -> bool:
     return list(x.layer_ids) == list(y.layer_ids) and x.rows.dtype == y.rows.dtype and \
         list(x.rows.shape[1:]) == list(y.rows.shape[1:]) and x.rows.shape[0] == len(last.tokens) and \
         y.rows.shape[0] == len(a.tokens)
+
+
+def first_tokens(a: draft_pb2.AppendContext, n: int) -> draft_pb2.AppendContext | None:
+    """The append's first `n` rows (None for none, the append itself for all)."""
+    if n <= 0:
+        return None
+    if n >= len(a.tokens):
+        return a
+    cut = draft_pb2.AppendContext(session_id=a.session_id, start_position=a.start_position, tokens=a.tokens[:n])
+    if a.HasField("capture"):
+        cut.capture.layer_ids.extend(a.capture.layer_ids)
+        cut.capture.start_position = a.capture.start_position
+        cut.capture.rows.CopyFrom(first_rows(a.capture.rows, n))
+    return cut
 
 
 def draft_seed(seed: int, position: int) -> int:

@@ -52,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", default=None, metavar="ADDRESS",
                    help="a dspark-draft service (host:port) the target speculates with, for its sessions' Steps "
                         "(the SDK's) and Generate alike; a pool as host:port,host:port (each session drafts on one "
-                        "of those that answer, chosen by its id; one that goes away costs only its sessions' speed)")
+                        "of those that answer, chosen by its id; when one goes away its sessions re-open on another "
+                        "with their context), or dns:///NAME:PORT for every address NAME resolves to (a headless "
+                        "Service; looked up again every 10 s)")
     s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
                    help="the decode mode of a session or Generate request that does not choose (adaptive = "
                         "speculate while it pays, when a drafter is configured)")
@@ -98,12 +100,15 @@ def main(argv: list[str] | None = None) -> None:
                                                       args.drafter_tls_key, args.drafter_auth_token_file)
     except (OSError, ValueError) as e:
         p.error(f"drafter link: {e}")
-    servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
-                              drafter_security=drafter_security,
-                              default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions,
-                              draft_ahead=args.draft_ahead)
-    for link, _ in servicer.drafter_pool():  # one line at start-up for each that does not answer
-        warn_if_unreachable(link, "[dspark-target]")
+    try:
+        servicer = TargetServicer(max_message_bytes=args.max_message_bytes, drafter_address=args.drafter,
+                                  drafter_security=drafter_security,
+                                  default_mode=mode, draft_timeout=args.draft_timeout, max_sessions=args.max_sessions,
+                                  draft_ahead=args.draft_ahead)
+    except ValueError as e:  # a --drafter dns name without a port
+        p.error(str(e))
+    for drafter in servicer.drafters.members if servicer.drafters is not None else []:
+        warn_if_unreachable(drafter.link, "[dspark-target]")  # one line at start-up for each that does not answer
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.serving.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge

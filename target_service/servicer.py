@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +34,7 @@ from dspark_grpc.speculation.round_planner import RoundCalibration, plan_depths
 from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
 from dspark_grpc.target_service.draft_rounds import NEXT_ROUND_WAIT_S, DraftRounds, RoundJob, RoundReply
 from dspark_grpc.target_service.drafter_link import DrafterLink
+from dspark_grpc.target_service.drafter_pool import Drafter, DrafterPool
 from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Prompt, TargetEngine
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -110,18 +111,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.executor = executor or ThreadPoolExecutor(max_workers=max(8, max_sessions + 4),
                                                        thread_name_prefix="target")
         self.drafter_address = drafter_address
-        # a drafter pool: "host:port,host:port" (each session drafts on one of them, see _pick_drafter)
-        addresses = [a.strip() for a in drafter_address.split(",") if a.strip()] if drafter_address else []
 
-        def link_and_rounds(address: str) -> tuple[DrafterLink, DraftRounds]:
-            link = DrafterLink(make_channel(address, drafter_security), address, draft_timeout).start()
+        def start_drafter(address: str, server_name: str | None) -> Drafter:
+            security = drafter_security
+            if server_name and security is not None and security.tls and not security.server_name:
+                security = dataclasses.replace(security, server_name=server_name)  # one IP of a dns name
+            link = DrafterLink(make_channel(address, security), address, draft_timeout).start()
             # (without drafting ahead a session's next round comes after its client's round trip: not waited for)
-            return link, DraftRounds(link, link.draft_timeout, self._round_drafted, self._plan_round,
-                                     NEXT_ROUND_WAIT_S if draft_ahead else 0.0)
+            return Drafter(link, DraftRounds(link, link.draft_timeout, self._round_drafted, self._plan_round,
+                                             NEXT_ROUND_WAIT_S if draft_ahead else 0.0))
 
-        pool = [link_and_rounds(a) for a in addresses]
-        self.drafter, self.rounds = pool[0] if pool else (None, None)  # the first drafter (the only one, mostly)
-        self.more_drafters = pool[1:]
+        # one drafter, or a pool ("host:port,host:port" or "dns:///NAME:PORT"): each session drafts on one of them
+        self.drafters = DrafterPool(drafter_address, start_drafter) if drafter_address else None
         self.session_rounds: dict[str, DraftRounds] = {}  # each drafting session's drafter (its rounds)
         self.round_calibration = RoundCalibration()
         self._costs: tuple[list, list[common_pb2.CostTable], VerifyCosts] | None = None  # see _cost_tables
@@ -181,17 +182,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         rounds.unexpect(session_id)
         if (op := drafting.finish()) is not None:
             rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
-
-    def drafter_pool(self) -> list[tuple[DrafterLink, DraftRounds]]:
-        return [] if self.drafter is None else [(self.drafter, self.rounds), *self.more_drafters]
-
-    def _pick_drafter(self, session_id: str) -> tuple[DrafterLink, DraftRounds] | None:
-        """The drafter a new session drafts on: of the pool's drafters that answer, the one its id hashes highest
-        with (rendezvous hashing: a session's choice moves only when its drafter goes away); None if none answers."""
-        up = [(link, rounds) for link, rounds in self.drafter_pool() if link.info is not None]
-        if len(up) <= 1:
-            return up[0] if up else None
-        return max(up, key=lambda pair: zlib.crc32(f"{session_id}@{pair[0].address}".encode()))
 
     def _cost_tables(self, engine: TargetEngine) -> tuple[list[common_pb2.CostTable], VerifyCosts]:
         """The engine's start-up cost tables as the wire carries them and as the planners read them (built once per
@@ -309,13 +299,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             else common_pb2.DECODE_MODE_AR
         info, why = None, ""
         if mode != common_pb2.DECODE_MODE_AR:
-            if self.drafter is None:
+            if self.drafters is None:
                 if mode == common_pb2.DECODE_MODE_SPECULATION:
                     raise FailedPrecondition("step mode SPECULATION needs a drafter; start the target with --drafter "
                                              "ADDRESS or ask for mode AR")
                 why = "no drafter configured (start the target with --drafter ADDRESS)"
-            elif (info := next((link.info for link, _ in self.drafter_pool() if link.info is not None), None)) is None:
-                why = "; ".join(link.down_reason for link, _ in self.drafter_pool()) + "; target-only"
+            elif (info := self.drafters.info()) is None:
+                why = self.drafters.down_reason() + "; target-only"
             elif layers or drafter:
                 raise InvalidArgument("step_options with a drafter of the target's: leave capture_layer_ids and "
                                       "drafter_target unset (the target feeds its own drafter)")
@@ -330,17 +320,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             why = f"the target refused the drafter ({e.message}); target-only"
             info = None
             sid = engine.open_session([], None, m.protocol_version, m.max_length, owner)
-        picked = self._pick_drafter(sid) if info is not None else None
+        picked = self.drafters.pick(sid) if info is not None else None
         if info is not None and picked is None:  # its drafter went away between the two looks
-            info, why = None, "; ".join(link.down_reason for link, _ in self.drafter_pool()) + "; target-only"
+            info, why = None, self.drafters.down_reason() + "; target-only"
         if info is not None:
-            link, rounds = picked
-            info = link.info or info
+            info = picked.link.info or info
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
-            self.session_rounds[sid] = rounds
+            self.session_rounds[sid] = picked.rounds
             drafting = self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
-                                                                  rounds.generation)
+                                                                  picked.rounds.generation, self.drafters.several)
             drafting.encode_rows = functools.partial(capture_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
@@ -397,7 +386,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         reply = self.session_rounds[sid].submit(RoundJob(drafting, ops))
                     proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
                     if reply.replies is None:
-                        drafting.fail(reply.error)
+                        self._drafter_failed(drafting, reply.error)
                     reply_depth = reply.depth
                     report.draft_seconds = time.perf_counter() - t0
                 if proposal is not None:
@@ -451,6 +440,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if self.draft_ahead and drafting.active and more:
                 drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load, from_chain)
             reasons = [drafting.failure] if drafting.failure and not failed_before else []
+            reasons.extend(drafting.moved)
+            drafting.moved.clear()
             if switches := drafting.new_switches():
                 reasons.append(switches)
             report.fallback_reason = "; ".join(reasons)
@@ -459,6 +450,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                                            or planned.from_chain is not None))
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
+
+    def _drafter_failed(self, drafting: SessionDrafting, why: str) -> None:
+        """The session's round did not come back (its drafter went away, stalled, or lost the stream): it re-opens on
+        another drafter of the pool with its context, or continues target-only. This step is AR either way."""
+        sid = drafting.session_id
+        last = self.session_rounds[sid]
+        other = self.drafters.pick(sid, besides=last) if self.drafters is not None else None
+        if other is not None and drafting.reopen(why, other.address):
+            last.unexpect(sid)
+            self.session_rounds[sid] = other.rounds
+        else:
+            drafting.fail(why)
 
     def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int, load: int,
                      from_chain: draft_pb2.Proposal | None) -> NextStep:

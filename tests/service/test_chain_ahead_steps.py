@@ -10,6 +10,7 @@ from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.cost_table import CostKey, CostTable
 from dspark_grpc.speculation.tensors import float32_tensor
 from dspark_grpc.target_service.draft_rounds import DraftRounds
+from dspark_grpc.target_service.drafter_pool import Drafter, DrafterPool
 from dspark_grpc.target_service.servicer import TargetServicer
 
 from tests.test_draft_rounds import FakeStream
@@ -33,6 +34,7 @@ def oracle(greedy: dict[int, int]):
 
 class OracleLink:
     down_reason = ""
+    address = "oracle"
 
     def __init__(self, stream: FakeStream) -> None:
         self.stream = stream
@@ -79,12 +81,13 @@ def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_outpu
     try:
         servicer = TargetServicer(64 << 20)
         servicer.engine, stream = engine, FakeStream(proposal=oracle(greedy))
-        servicer.drafter = OracleLink(stream)
-        servicer.rounds = DraftRounds(servicer.drafter, None, servicer._round_drafted, servicer._plan_round)
+        link = OracleLink(stream)
+        drafter = Drafter(link, DraftRounds(link, None, servicer._round_drafted, servicer._plan_round))
+        servicer.drafters = DrafterPool("oracle", lambda address, _: drafter)
         spec, reports, positions, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION)
     finally:
         engine.cost_tables = []
-        servicer.rounds.close()
+        drafter.rounds.close()
     assert spec[: len(ar)] == ar
     assert all(r.draft_depth == 1 and len(r.accepted_proposers) == 1 for r in reports), reports  # the plan: 1 token
     from_chain = [r.draft_from_chain for r in reports]
