@@ -108,7 +108,7 @@ def test_deployments_services_and_budgets(rendered, variant):
             assert "emptyDir" in volumes[mounts[mount]] or "persistentVolumeClaim" in volumes[mounts[mount]]
         assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     target_args = container(deployments["dspark-target"])["args"]
-    assert flag(target_args, "--drafter") == "dspark-draft:50052"
+    assert flag(target_args, "--drafter") == "dns:///dspark-draft:50052"  # the pool of drafter pods
     assert flag(target_args, "--threads") == container(deployments["dspark-target"])["resources"]["limits"]["cpu"]
     assert flag(container(deployments["dspark-draft"])["args"], "--drafter") == "embedded"
 
