@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint protos clean llama-cpp check-dependencies
+.PHONY: demo test lint protos clean llama-cpp check-dependencies gpu-check
 
 # The CPU build of torch by default (PyPI's default torch wheel brings ~3 GB of CUDA packages a CPU never uses);
 # `make TORCH_INDEX= ...` takes PyPI's CUDA build instead. An index that cannot be reached costs one warning: pip
@@ -37,6 +37,13 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m dspark_grpc.protos.generate --check
 	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
+
+# On a CUDA machine (under 8 minutes): the CUDA tests, the fused Triton kernel against the torch path and the bench on
+# the device; figures in docs/bench/gpu-check.md (docs/bench/gpu_check.py). A venv it builds takes PyPI's (CUDA) torch.
+# Without a CUDA device: one line, exit 1.
+gpu-check: TORCH_INDEX :=
+gpu-check: $(STAMP)
+	$(BIN)/python docs/bench/gpu_check.py
 
 # the declared dependencies against the public index alone, as a clean machine resolves them (CI runs it)
 check-dependencies: $(STAMP)

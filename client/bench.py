@@ -130,19 +130,18 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
               cost_profile: bool = True, connect_timeout: float = 15.0, link_delay_ms: float = 0.0,
               baselines: tuple[str, ...] = (), target_args: tuple[str, ...] = (),
-              drafter_args: tuple[str, ...] = (), repeat: int = 1,
+              drafter_args: tuple[str, ...] = (), repeat: int = 1, device: str | None = None,
               log: Callable[[str], None] | None = None) -> dict:
     """Run every prompt in every mode at every concurrency; returns the JSON-ready result (module docstring).
 
     Services whose address is not given are started here (target: the default model or `target_model`;
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
-    and stopped at the end (`target_args`, `drafter_args`: more arguments for them). `link_delay_ms` puts a
-    delaying proxy (client/delay_proxy.py) on every link: client -> target and, for a target started here, target
-    -> drafter. `baselines` ("llama-cpp") run before the services start and again after they stop, as child
-    processes of this one (the machine's drift during the modes then hits the baseline about alike; its figures
-    sum both runs). At concurrency > 1 the modes run one after the other, `repeat` times in turn (a drift of the
-    machine's speed then hits every mode alike); a
-    mode's figures sum its repeats.
+    and stopped at the end (`target_args`, `drafter_args`: more arguments for them; `device`: their --device).
+    `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client -> target and, for a target
+    started here, target -> drafter. `baselines` ("llama-cpp") run before the services start and again after they
+    stop, as child processes of this one (the machine's drift during the modes then hits the baseline about alike;
+    its figures sum both runs). At concurrency > 1 the modes run one after the other, `repeat` times in turn (a drift
+    of the machine's speed then hits every mode alike); a mode's figures sum its repeats.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     _check_args(prompts, modes, max_new_tokens, concurrency)
@@ -151,7 +150,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         raise ValueError(f"unknown baselines {sorted(unknown)}; known: {list(BASELINES)}")
     needs_drafter = any(parse_mode(m)[0] in DRAFTER_MODES for m in modes)
     sessions = str(max(16, 2 * max(concurrency)))
-    profile = [] if cost_profile else ["--no-cost-profile"]  # for the services started here
+    # for the services started here
+    service_args = ([] if cost_profile else ["--no-cost-profile"]) + (["--device", device] if device else [])
     started = []
     baseline_before = {}
     for name in baselines:
@@ -164,8 +164,9 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         if target is None and drafter is None and needs_drafter:
             started.append("draft")
             log(f"[bench] starting the draft service ({drafter_checkpoint or 'its default drafter'})")
-            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + ["--max-sessions", sessions,
-                                                                                         *profile, *drafter_args]
+            # (its one target holds all its draft sessions: no per-principal cap)
+            args = (["--drafter", drafter_checkpoint] if drafter_checkpoint else []) + \
+                ["--max-sessions", sessions, "--max-sessions-per-principal", "0", *service_args, *drafter_args]
             # SERVING before the target starts: the two start-up cost profiles must not share the CPU
             drafter = stack.enter_context(local_drafter(args + (["--target-model", target_model]
                                                                 if target_model else []), wait_serving=True))
@@ -174,7 +175,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
         if target is None:
             started.insert(0, "target")
             log("[bench] starting the target service" + (f" ({target_model})" if target_model else ""))
-            args = ["--max-sessions", sessions, "--draft-timeout", str(draft_timeout), *profile] + \
+            args = ["--max-sessions", sessions, "--draft-timeout", str(draft_timeout), *service_args] + \
                 (["--model", target_model] if target_model else []) + (["--drafter", drafter] if drafter else []) + \
                 list(target_args)
             target = stack.enter_context(local_target(args, wait_serving=True))
@@ -190,7 +191,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
             "proposer": proposer,
             "budget": budget, "kernel": kernel, "temperature": 0.0, "ignore_eos": ignore_eos,
             "draft_timeout_s": draft_timeout, "target": target, "drafter": drafter, "started_services": started,
-            "cost_profile": cost_profile, "link_delay_ms": link_delay_ms, "target_args": list(target_args),
+            "cost_profile": cost_profile, "device": device, "link_delay_ms": link_delay_ms,
+            "target_args": list(target_args),
             "drafter_args": list(drafter_args),
             "drafter_checkpoint": drafter_checkpoint, "target_model": target_model,
             **({"commit": commit} if (commit := git_commit()) else {}),

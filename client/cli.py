@@ -28,6 +28,7 @@ from google.protobuf.json_format import MessageToDict
 from dspark_grpc.cli_common import (
     OneLineParser,
     chat_messages,
+    device_choice,
     fail,
     non_negative_float,
     non_negative_int,
@@ -234,6 +235,8 @@ def parser() -> OneLineParser:
     b.add_argument("--drafter-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to the started draft service (repeat: --drafter-arg=--precision "
                         "--drafter-arg=exact)")
+    b.add_argument("--device", type=device_choice, default=None,
+                   help="--device of the services bench starts (auto, cpu, cuda, cuda:N); default: theirs (auto)")
     b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--draft-timeout", type=non_negative_float, default=10.0,
                    help="seconds per drafter call before a request falls back to target-only")
@@ -358,6 +361,8 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
     if args.drafter and args.target:
         p.error("--drafter is for the target bench starts; a running --target drafts with the drafter it was started "
                 "with")
+    if args.device and args.target:
+        p.error("--device is for the services bench starts; a running --target runs where it was started")
     if not Path(args.json_out).resolve().parent.is_dir():
         p.error(f"--json {args.json_out}: no such directory")
     import importlib.util
@@ -376,7 +381,7 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
                        target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
                        cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
                        link_delay_ms=args.link_delay_ms, target_args=tuple(args.target_arg),
-                       drafter_args=tuple(args.drafter_arg),
+                       drafter_args=tuple(args.drafter_arg), device=args.device,
                        command=command, baselines=tuple(args.baseline), repeat=args.repeat)
     Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     print(format_table(result))

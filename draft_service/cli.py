@@ -10,16 +10,18 @@ from pathlib import Path
 
 import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.draft_service.engine import DEFAULT_MAX_PER_PRINCIPAL, DEFAULT_MAX_SESSIONS, DraftEngine, DraftLimits
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
+from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
 from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.serving.security import server_security
 from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
+from dspark_grpc.serving.sessions import limits_problem
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
-from dspark_grpc.cli_common import OneLineParser, port_number, positive_int
+from dspark_grpc.cli_common import OneLineParser, fail, port_number, positive_int
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -58,7 +60,11 @@ def parser() -> argparse.ArgumentParser:
     add_serve_arguments(s, default_port=50052, default_threads=1,
                         threads_help="torch threads; 0 = torch's default. One by default: the drafter is small, and "
                                      "a second OpenMP thread mostly takes a core from a target on the same machine "
-                                     "(measured in docs/PERFORMANCE.md)")
+                                     "(measured in docs/PERFORMANCE.md)",
+                        default_max_sessions=DEFAULT_MAX_SESSIONS, default_per_principal=DEFAULT_MAX_PER_PRINCIPAL,
+                        per_principal_note="A target drafts all its sessions as one principal: give at least its "
+                                           "--max-sessions (the default holds a target with default flags; "
+                                           "--max-sessions holds two and the reserve). ")
     return p
 
 
@@ -71,6 +77,12 @@ def main(argv: list[str] | None = None) -> None:
                 "embedded, random, none)")
     if args.target_model is not None and not Path(args.target_model).exists():
         p.error(f"--target-model {args.target_model}: no such file or directory")
+    if problem := limits_problem(args.max_sessions, args.max_sessions_per_principal, args.reserved_sessions):
+        p.error(problem)
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailable as e:
+        fail(p.prog, str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_tree_budget=args.max_tree_budget, default_kernel=args.kernel,
                          default_proposer=args.proposer or "", ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                          max_sessions_per_principal=args.max_sessions_per_principal,
+                         reserved_sessions=args.reserved_sessions,
                          adaptive_threads=not args.fixed_threads)
     security = server_security(args)
 
@@ -97,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter = args.drafter or ("embedded" if args.target_model is None else "none")
         engine = in_thread_that_ends(lambda: DraftEngine.load(
             None if drafter == "none" else drafter, args.target_model, dtype=getattr(torch, args.dtype), limits=limits,
-            progress=not args.quiet, seed=args.seed, precision=args.precision))
+            progress=not args.quiet, seed=args.seed, precision=args.precision, device=device))
         if engine.drafter is not None and not args.no_cost_profile:
             t0 = time.perf_counter()
             tables = engine.profile_costs(args.cost_cache or default_cache_dir())

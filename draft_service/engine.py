@@ -60,11 +60,17 @@ ROUND_WAIT_S = 2.0
 PROPOSERS = ("dspark", "ngram", "hybrid")
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
 EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
+# A target drafts all its sessions on one stream: one principal holding up to its --max-sessions (16 by default)
+# draft sessions. One principal may hold one such target's worth, and the service holds two of them and the reserve
+# (serving/sessions.py: an eighth, 4): a client that takes all it may (a stranger's flood on one connection) leaves
+# a target with default flags all 16 of its draft sessions, and still a newcomer finds one.
+DEFAULT_MAX_PER_PRINCIPAL = 16
+DEFAULT_MAX_SESSIONS = 2 * DEFAULT_MAX_PER_PRINCIPAL + 4
 
 
 @dataclass(frozen=True)
 class DraftLimits:
-    max_sessions: int = 16
+    max_sessions: int = DEFAULT_MAX_SESSIONS
     idle_ttl_s: float = 600.0
     max_tree_budget: int = 64
     default_tree_budget: int = 16
@@ -76,7 +82,10 @@ class DraftLimits:
     ngram_chain: int = 8  # default n-gram chain length
     hybrid_min_match: int = 2  # a hybrid chain follows the n-gram continuation from this match length on
     sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
-    max_sessions_per_principal: int = 0  # 0 = max_sessions
+    # serving/sessions.py: None = max_sessions - reserved_sessions, 0 = no cap of its own; reserved_sessions None =
+    # an eighth of max_sessions
+    max_sessions_per_principal: int | None = DEFAULT_MAX_PER_PRINCIPAL
+    reserved_sessions: int | None = None
     max_context: int = 1 << 16  # rows a session without a DSpark drafter may hold (with one: its max length)
     # Drafter passes on one thread while that measures faster (another process took a core; serving/threads.py).
     adaptive_threads: bool = True
@@ -127,7 +136,8 @@ class DraftEngine:
             raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
                              f"available: {self.proposers}")
         self.sessions: SessionStore[DraftSession] = SessionStore(
-            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
+            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal,
+            reserved=limits.reserved_sessions)
         self.metrics: DraftServiceMetrics | None = None
         self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
         self._passes: StepBatcher[PassJob, tuple[BlockOutput, Chain | None]] | None = None
@@ -155,11 +165,13 @@ class DraftEngine:
     @classmethod
     def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
              dtype: torch.dtype = torch.float32, limits: DraftLimits | None = None, progress: bool = True,
-             seed: int = 0, precision: str = "exact") -> DraftEngine:
+             seed: int = 0, precision: str = "exact", device: torch.device | str = "cpu") -> DraftEngine:
         """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target;
         "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER).
         `precision` "fast": the drafter's projections and head as Q8_0 blocks on our CPU kernels (int8 weights and
-        activations; a drafter's rounding changes which tokens it proposes, never the target's output)."""
+        activations; a drafter's rounding changes which tokens it proposes, never the target's output). `device`:
+        where the drafter runs, loaded on the CPU and moved there; off the CPU "fast" runs in `dtype` on torch's
+        matmuls (the Q8_0 kernels are CPU-only), said in one line."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if str(drafter_path) == "embedded":
@@ -182,7 +194,11 @@ class DraftEngine:
             name = Path(drafter_path).name
         if drafter is not None:
             check_drafter_fits_target(drafter, ckpt.config)
-            drafter = drafter.to(dtype).eval().requires_grad_(False).pack(quantize=precision == "fast")
+            device = torch.device(device)
+            if progress and device.type != "cpu" and precision == "fast":
+                print(f"[dspark-draft] {device}: precision fast runs in {str(dtype).removeprefix('torch.')} on torch's "
+                      "matmuls (the Q8_0 kernels are CPU-only); not yet tested on a GPU", flush=True)
+            drafter = drafter.to(dtype).to(device).eval().requires_grad_(False).pack(quantize=precision == "fast")
         return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
 
     # -- sessions ---------------------------------------------------------------------------------

@@ -85,6 +85,15 @@ def probability(text: str) -> float:
     return value
 
 
+def device_choice(text: str) -> str:
+    """`--device`: auto, cpu, cuda or cuda:N (whether that CUDA device exists is checked where torch is loaded:
+    runtime/device.py)."""
+    value = text.strip().lower()
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
 def _number(kind: type, text: str):
     try:
         return kind(text)

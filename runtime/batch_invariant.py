@@ -74,7 +74,8 @@ class RowPlan:
 
 
 def _visible(counts: list[int], length: int) -> torch.Tensor:
-    """[QROWS, length] bool: row j sees keys [0, counts[j]); padding rows see key 0."""
+    """[QROWS, length] bool: row j sees keys [0, counts[j]); padding rows see key 0 (on the CPU: plan_rows moves
+    the plan to the model's device once)."""
     n = torch.tensor(counts + [1] * (QROWS - len(counts)))
     return torch.arange(length) < n[:, None]
 
@@ -84,7 +85,9 @@ def _padded_rows(rows: list[int]) -> list[int]:
     return rows + [rows[0]] * (QROWS - len(rows))
 
 
-def plan_rows(keys: RowKeys) -> RowPlan:
+def plan_rows(keys: RowKeys, device: torch.device | str | None = None) -> RowPlan:
+    """The plan of rows with these keys (`row_keys`, computed from a mask on the CPU), its index and mask tensors on
+    `device` (the model's; None: the CPU), where `attention_by_row` uses them in every layer."""
     chains: dict[int, list[int]] = {}
     trees: dict[int, list[int]] = {}
     for i, n in enumerate(keys):
@@ -95,18 +98,18 @@ def plan_rows(keys: RowKeys) -> RowPlan:
     calls = []
     for length, rows in chains.items():
         chunks = [rows[c : c + QROWS] for c in range(0, len(rows), QROWS)]
-        calls.append(_Call(length, rows, torch.tensor([_padded_rows(c) for c in chunks]),
-                           torch.stack([_visible([keys[i] for i in c], length) for c in chunks])[:, None]))
+        calls.append(_Call(length, rows, torch.tensor([_padded_rows(c) for c in chunks], device=device),
+                           torch.stack([_visible([keys[i] for i in c], length) for c in chunks])[:, None].to(device)))
     for length, rows in trees.items():
-        calls.append(_Call(length, rows, torch.tensor([_padded_rows([i]) for i in rows]),
-                           torch.stack([_visible([keys[i].numel()], length) for i in rows])[:, None],
-                           [keys[i] for i in rows]))
+        calls.append(_Call(length, rows, torch.tensor([_padded_rows([i]) for i in rows], device=device),
+                           torch.stack([_visible([keys[i].numel()], length) for i in rows])[:, None].to(device),
+                           [keys[i].to(device) for i in rows]))
     return RowPlan(len(keys), calls)
 
 
 def attention_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RowPlan | RowKeys) -> torch.Tensor:
     """q [H, T, D], k/v [KV, S, D] -> [H, T, D]; row i attends to its keys exactly as a 1-row step would."""
-    plan = plan if isinstance(plan, RowPlan) else plan_rows(plan)
+    plan = plan if isinstance(plan, RowPlan) else plan_rows(plan, q.device)
     H, T, D = q.shape
     assert T == plan.rows and k.shape == v.shape and k.shape[-1] == D, (q.shape, plan.rows, k.shape, v.shape)
     out = None

@@ -184,21 +184,29 @@ def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precisi
 
 
 def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dtype = torch.float32,
-                    compile: str = "off", progress: bool = False, compile_cache: Path | None = None) -> Transformer:
+                    compile: str = "off", progress: bool = False, compile_cache: Path | None = None,
+                    device: torch.device | str = "cpu") -> Transformer:
     """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
     bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
     its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" or "max" (fast
     precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here or
-    loaded from `compile_cache` (where a compiled step is saved for the next start)."""
+    loaded from `compile_cache` (where a compiled step is saved for the next start). The weights are loaded on the
+    CPU, then moved to `device`. Off the CPU (runtime/device.py) a checkpoint has no blocks (load it with precision
+    "exact"): "fast" is then its float matrices in bf16 on torch's matmuls with the same batch-invariant attention
+    (whether torch's CUDA matmuls keep a verify row equal to its 1-row step is not yet tested), and compile is off."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     if compile != "off" and precision != "fast":
         raise ValueError(f"--compile {compile} needs --precision fast (the exact precision runs eagerly)")
+    device = torch.device(device)
+    if device.type != "cpu" and (ckpt.blocks or ckpt.head_blocks is not None or compile != "off"):
+        raise ValueError(f"on {device}: GGUF blocks and the compiled step are CPU-only (load the checkpoint with "
+                         "precision exact, run with compile off)")
     if precision == "exact":
-        return Transformer.from_checkpoint(ckpt, dtype=dtype).pack()
-    model = Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16).pack()
+        return _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
+    model = _on(Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16), device).pack()
     model.batch_invariant = True
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     if compile != "off":
@@ -208,6 +216,11 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
             raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)
     return model
+
+
+def _on(model: Transformer, device: torch.device) -> Transformer:
+    """The model moved to `device` (on the CPU as built: its block matrices' weights are meta tensors)."""
+    return model if device.type == "cpu" else model.to(device)
 
 
 def _log(progress: bool, message: str, t0: float) -> None:

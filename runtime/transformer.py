@@ -332,13 +332,14 @@ class Transformer(nn.Module):
         for b in batch:
             T = b.tokens.shape[0]
             start = b.cache.begin(T)
-            mask = b.mask.to(self.device) if b.mask is not None else None
+            # the masks come from the host (the plan of row-by-row attention reads them there), then move once
+            host_mask = b.mask.cpu() if b.mask is not None else None
             if b.new_rows_mask is not None:
-                mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device),
-                                  b.new_rows_mask.to(self.device)], dim=1)
+                host_mask = torch.cat([torch.ones(T, start, dtype=torch.bool), b.new_rows_mask.cpu()], dim=1)
+            mask = host_mask.to(self.device) if host_mask is not None else None
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
             if self.batch_invariant and (mask is not None or T == 1):  # verify rows, AR steps: row by row
-                keys.append(plan_rows(row_keys(mask) if mask is not None else [start + 1]))
+                keys.append(plan_rows(row_keys(host_mask) if host_mask is not None else [start + 1], self.device))
             else:  # a prompt chunk: one causal call
                 keys.append(None)
             bounds.append((begin, begin + T))

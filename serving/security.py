@@ -78,15 +78,15 @@ def bearer_token(metadata) -> str | None:
 
 
 def principal_of(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling: the bearer token (hashed), else the client certificate's common name, else the client IP."""
+    """Who is calling: the bearer token (hashed), else the client certificate's common name, else the stream's peer
+    (its connection: address and port; clients on one host are not one principal, a client's channel is one)."""
     token = bearer_token(context.invocation_metadata())
     if token:
         return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     names = (context.auth_context() or {}).get("x509_common_name")
     if names:
         return "cert:" + names[0].decode(errors="replace")
-    peer = context.peer() or ""
-    return "peer:" + peer.rsplit(":", 1)[0]
+    return "peer:" + (context.peer() or "")
 
 
 class _Undecodable:

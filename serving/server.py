@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from dspark_grpc.cli_common import non_negative_int, port_number, positive_int
+from dspark_grpc.cli_common import device_choice, non_negative_int, port_number, positive_int
 
 log = logging.getLogger("dspark.serving")
 T = TypeVar("T")
@@ -34,20 +34,26 @@ DTYPES = ("float32", "bfloat16")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_threads: int = 0,
-                        threads_help: str = "torch threads; 0 = torch's default") -> None:
-    """The flags both `serve` commands share."""
+                        threads_help: str = "torch threads; 0 = torch's default", default_max_sessions: int = 16,
+                        default_per_principal: int | None = None, per_principal_note: str = "") -> None:
+    """The flags both `serve` commands share; `default_per_principal` None = --max-sessions minus
+    --reserved-sessions."""
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on: 127.0.0.1 = this machine only; 0.0.0.0 = every interface (then use "
                         "TLS or a token, see security below)")
     p.add_argument("--port", type=port_number, default=default_port,
                    help="0 picks a free port (printed at start-up)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
+    p.add_argument("--device", type=device_choice, default="auto",
+                   help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N; on CUDA the CPU-only "
+                        "parts (the fast precision's C++ kernels, the compiled step) fall back to torch, said at "
+                        "start-up (the CUDA paths are not yet measured on a GPU: docs/PERFORMANCE.md)")
     p.add_argument("--threads", type=non_negative_int, default=default_threads, help=threads_help)
     p.add_argument("--fixed-threads", action="store_true",
                    help="always run the model on --threads (default: on one thread while that measures faster, as "
                         "when another process takes a core; the target only where its outputs do not depend on "
                         "the thread count)")
-    p.add_argument("--max-sessions", type=positive_int, default=16,
+    p.add_argument("--max-sessions", type=positive_int, default=default_max_sessions,
                    help="live sessions (requests in flight) the service holds; one more is refused with "
                         "RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl", type=float, default=600.0, help="seconds an idle session is kept")
@@ -61,9 +67,15 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_t
     p.add_argument("--no-cost-profile", action="store_true",
                    help="skip profiling costs at start-up (no tables published; the adaptive planner then measures "
                         "online)")
-    p.add_argument("--max-sessions-per-principal", type=non_negative_int, default=0,
-                   help="live sessions one principal (bearer token, else client certificate, else client IP) may "
-                        "hold; 0 = --max-sessions")
+    per_principal_default = "--max-sessions minus --reserved-sessions" if default_per_principal is None else \
+        str(default_per_principal)
+    p.add_argument("--max-sessions-per-principal", type=non_negative_int, default=default_per_principal, metavar="N",
+                   help="live sessions one principal (its bearer token, else its client certificate, else its "
+                        "connection: address and port) may hold; 0 = no cap of its own (--reserved-sessions still "
+                        f"applies). {per_principal_note}Default: {per_principal_default}")
+    p.add_argument("--reserved-sessions", type=non_negative_int, default=None, metavar="N",
+                   help="the last free sessions, kept for principals that hold none: a new client can open one "
+                        "while others hold all they may. Default: an eighth of --max-sessions, rounded down")
     sec = p.add_argument_group("security (default: plaintext, no authentication)")
     sec.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain: serve TLS")
     sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")

@@ -13,14 +13,16 @@ import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.compiled_step import COMPILE_MODES, missing_compiler
+from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
 from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
+from dspark_grpc.serving.sessions import limits_problem
 from dspark_grpc.speculation.channel import ChannelSecurity
 from dspark_grpc.target_service.drafter_link import warn_if_unreachable
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
-from dspark_grpc.cli_common import OneLineParser, non_negative_float, non_negative_int, port_number, positive_int
+from dspark_grpc.cli_common import OneLineParser, fail, non_negative_float, non_negative_int, port_number, positive_int
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -90,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.model is not None and not Path(args.model).exists():
         p.error(f"--model {args.model}: no such file or directory (a .gguf file or an HF directory)")
+    if problem := limits_problem(args.max_sessions, args.max_sessions_per_principal, args.reserved_sessions):
+        p.error(problem)
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailable as e:
+        fail(p.prog, str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None,
                           max_batch_rows=args.max_batch_rows,
                           max_sessions_per_principal=args.max_sessions_per_principal,
+                          reserved_sessions=args.reserved_sessions,
                           adaptive_threads=not args.fixed_threads)
 
     def load() -> None:
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet)
         engine = in_thread_that_ends(lambda: TargetEngine.load(
             path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet, precision=precision,
-            compile=compile_mode, compile_cache=compile_cache))
+            compile=compile_mode, compile_cache=compile_cache, device=device))
         if not args.no_cost_profile:
             say = None if args.quiet else lambda m: print(f"[dspark-target] {m}", flush=True)
             engine.profile_costs(args.cost_cache or default_cache_dir(), progress=say)

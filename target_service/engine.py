@@ -20,6 +20,7 @@ from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
 from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
 from dspark_grpc.runtime.detokenize import IncrementalDecoder
+from dspark_grpc.runtime.device import cpu_only_note
 from dspark_grpc.runtime.kv_cache import KVCache
 from dspark_grpc.runtime.sampling import SamplingParams, make_generator
 from dspark_grpc.runtime.tokenizer import TextTokenizer
@@ -54,7 +55,10 @@ class EngineLimits:
     # Rows one batched forward may hold (sessions' steps and prefill chunks together); 1 forward per step
     # when it is smaller than one session's step.
     max_batch_rows: int = 1024
-    max_sessions_per_principal: int = 0  # 0 = max_sessions
+    # One client cannot lock the others out (serving/sessions.py): None = max_sessions - reserved_sessions; 0 = no
+    # cap of its own. reserved_sessions: the last free sessions, for principals that hold none (None = an eighth).
+    max_sessions_per_principal: int | None = None
+    reserved_sessions: int | None = None
     # Forwards on one thread while that measures faster (another process took a core; serving/threads.py), where
     # the model's outputs do not depend on its thread count.
     adaptive_threads: bool = True
@@ -122,15 +126,16 @@ class TargetEngine:
         self.limits = limits
         self.max_length = min(limits.max_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.sessions: SessionStore[TargetSession] = SessionStore(
-            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal)
+            limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal,
+            reserved=limits.reserved_sessions)
         self.fingerprint = (cfg.fingerprint(), tokenizer.fingerprint())
         # Every forward goes through one worker: steps of concurrent sessions share a forward (continuous batching).
         self.threads = ThreadGovernor(torch.get_num_threads())
         self.batcher: StepBatcher[SequenceInput, ForwardOutput] = StepBatcher(
             self._forward_batch, rows=lambda inp: inp.tokens.shape[0], max_rows=limits.max_batch_rows,
             name="target-forward", on_batch=self._on_batch, session=lambda inp: id(inp.cache))
-        self.threads.enabled = limits.adaptive_threads and self.threads.enabled and self.batcher.call(
-            lambda: same_outputs_on_one_thread(model, self.threads.threads))
+        self.threads.enabled = limits.adaptive_threads and self.threads.enabled and model.device.type == "cpu" and \
+            self.batcher.call(lambda: same_outputs_on_one_thread(model, self.threads.threads))
         self.on_forward = None  # optional callable(BatchInfo), e.g. Prometheus metrics
         self.cost_tables: list = []  # client.cost_table.CostTable per lanes, when profiled
         # prefills started + ended, and running: a step whose wait saw neither change nor a running prefill did not
@@ -164,17 +169,23 @@ class TargetEngine:
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, limits: EngineLimits | None = None,
              progress: bool = True, precision: str = "exact", compile: str = "off",
-             compile_cache: Path | None = None) -> TargetEngine:
+             compile_cache: Path | None = None, device: torch.device | str = "cpu") -> TargetEngine:
         """precision "exact": float32 (or `dtype`); "fast": int4 weights from a GGUF's Q4 blocks, bf16 activations;
         compile "fast": the fast precision's steps as compiled graphs (runtime/checkpoint.inference_model), saved in
-        and loaded from `compile_cache`."""
+        and loaded from `compile_cache`. `device`: where the model runs; off the CPU the CPU-only parts fall back to
+        torch, said in one line (runtime/device.py)."""
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(path, progress=progress, precision=precision)
+        device = torch.device(device)
+        on_cpu = device.type == "cpu"
+        if progress and (note := cpu_only_note(device, precision, compile)):
+            print(f"[dspark-target] {note}", flush=True)
+        ckpt = load_checkpoint(path, progress=progress, precision=precision if on_cpu else "exact")
         if ckpt.gguf_metadata is not None:
             tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
         else:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
-        model = inference_model(ckpt, precision, dtype, compile=compile, progress=progress, compile_cache=compile_cache)
+        model = inference_model(ckpt, precision, dtype, compile=compile if on_cpu else "off", progress=progress,
+                                compile_cache=compile_cache, device=device)
         if progress:
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
         return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())
@@ -374,7 +385,7 @@ class TargetEngine:
         # path is its one row, kept as it is
         captures = tree.captures
         if captures is not None and path != list(range(captures.shape[0])):
-            captures = captures.index_select(0, torch.tensor(path))
+            captures = captures.index_select(0, torch.tensor(path, device=captures.device))
         texts = [s.decoder.add(t) for t in emitted]
         return Committed(start, captures, emitted, texts, s.cache.length)
 
@@ -400,10 +411,11 @@ class TargetEngine:
 
 
 def wire_captures(out: ForwardOutput) -> ForwardOutput:
-    """Captures in bf16, their wire format, converted on the batcher's worker: a large conversion on a request
-    thread would give that thread an OpenMP team of its own and slow every later forward (serving/batching.py)."""
+    """Captures in bf16, their wire format, on the host, converted on the batcher's worker: a large conversion on a
+    request thread would give that thread an OpenMP team of its own and slow every later forward
+    (serving/batching.py). On a GPU that is one copy to the host per forward output (not yet into pinned buffers)."""
     if out.captures is not None:
-        out.captures = out.captures.to(torch.bfloat16)
+        out.captures = out.captures.to(device="cpu", dtype=torch.bfloat16)
     return out
 
 

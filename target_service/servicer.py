@@ -40,6 +40,7 @@ from dspark_grpc.target_service.engine import PROTOCOL_VERSION, Committed, Promp
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # each; the stop-string check runs per token over the held-back text
+ADMISSION_POLL_S = 0.25  # a Generate waiting for a session looks again this often (its end, idle sessions' eviction)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -514,10 +515,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         stats = common_pb2.GenerationStats()
         owner = Owner(principal)
         loop = asyncio.get_running_loop()
-        deltas = generate_deltas(_InProcessTarget(self, owner), request.prompt, config,
+        stop = threading.Event()
+        deltas = generate_deltas(_InProcessTarget(self, owner, deadline, stop), request.prompt, config,
                                  frozenset(engine.tokenizer.eos_token_ids), stats, options)
         produced: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
         # One thread runs the steps back to back: the next step starts while this loop sends the last one's tokens.
         ended = loop.create_future()
 
@@ -602,8 +603,24 @@ def _check_tree_tensors(tree: common_pb2.TokenTree) -> tuple[torch.Tensor | None
 
 
 class _InProcessTarget:
-    def __init__(self, servicer: TargetServicer, owner: object) -> None:
-        self.servicer, self.owner = servicer, owner
+    """The target of a Generate's steps: its servicer's own session ops. A Generate whose session cannot open now
+    (every session taken, or its client holding its share) waits for one to be freed, until its deadline or its
+    end, as a request queued for a server's capacity does, rather than failing at once."""
+
+    def __init__(self, servicer: TargetServicer, owner: object, deadline: float | None = None,
+                 stop: threading.Event | None = None) -> None:
+        self.servicer, self.owner, self.deadline, self.stop = servicer, owner, deadline, stop
 
     def call(self, request: target_pb2.TargetSessionRequest) -> target_pb2.TargetSessionResponse:
-        return self.servicer.handle(request, self.owner)
+        while True:
+            sessions = self.servicer.ready_engine().sessions if self.servicer.engine is not None else None
+            seen = sessions.freed if sessions is not None else 0
+            response = self.servicer.handle(request, self.owner)
+            if sessions is None or request.WhichOneof("op") != "open" or \
+                    response.status.code != grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                return response
+            wait = ADMISSION_POLL_S if self.deadline is None else min(ADMISSION_POLL_S,
+                                                                      self.deadline - time.monotonic())
+            if wait <= 0 or (self.stop is not None and self.stop.is_set()):
+                return response
+            sessions.wait_freed(seen, wait)  # (in slices: an idle session is evicted only when someone looks)

@@ -127,6 +127,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         warnings.warn(pytest.PytestWarning(f"tests/conftest.py: add {', '.join(missing)} to SHARED_SESSION_FILES "
                                            "(it uses the shared session services; elsewhere its worker starts them "
                                            "again)"), stacklevel=1)
+    if not torch.cuda.is_available():  # CI has no GPU: `make gpu-check` runs these where there is one
+        skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check)")
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(skip)
 
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropped into the tiny model dirs
