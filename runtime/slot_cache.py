@@ -20,6 +20,44 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 
 
+class WaitedLock:
+    """A reentrant lock that counts the threads waiting for it: a thread that takes it in turns (a prompt chunk, a
+    layer at a time) lets them in between two turns (`let_waiters_in`); a plain RLock would go back to whoever
+    releases it and takes it again at once, and a session's commit would wait for the whole chunk."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(threading.Lock())
+        self.waiting = 0
+
+    def acquire(self) -> None:
+        if self._lock.acquire(blocking=False):
+            return
+        with self._changed:
+            self.waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._changed:
+                self.waiting -= 1
+                self._changed.notify_all()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> WaitedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def let_waiters_in(self, timeout_s: float) -> None:
+        """Until every thread now waiting has taken the lock (at most `timeout_s`); call it without holding it."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.waiting == 0, timeout_s)
+
+
 class SlotStore:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str | None = None,
                  slots: int = 4, capacity: int = 256) -> None:
@@ -33,7 +71,7 @@ class SlotStore:
         self._free = list(range(slots))
         # Growing replaces every tensor: a forward or commit in flight (the batcher's thread) would write to the
         # old ones while a session opens on another thread. Everything that uses or grows the store holds this.
-        self.lock = threading.RLock()
+        self.lock = WaitedLock()
 
     @property
     def slots(self) -> int:

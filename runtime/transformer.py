@@ -8,7 +8,8 @@ against that sequence's own K/V, and a linear-attention layer runs its recurrenc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -326,7 +327,30 @@ class Transformer(nn.Module):
                 outputs.update(zip(chunks, self._forward_eager([batch[i] for i in chunks]), strict=True))
             return [outputs[i] for i in range(len(batch))]
 
+    @torch.no_grad()
+    def forward_by_layers(self, batch: Sequence[SequenceInput]) -> Generator[int, None, list[ForwardOutput]]:
+        """`forward_batch` run eagerly a layer at a time: yields each layer's index once it ran, returns the outputs.
+        Run in slices with other forwards between them (under `step_lock`), it computes exactly what one call does:
+        the same ops on the same tensors (a layer's cache rows are looked up when it runs: the store may grow)."""
+        if len({id(b.cache) for b in batch}) != len(batch):
+            raise ValueError("each sequence of a batch needs its own cache")
+        for b in batch:
+            self._check_input(b)
+        return (yield from self._eager_layers(batch))
+
+    def step_lock(self) -> contextlib.AbstractContextManager:
+        """What a forward holds while it runs on the compiled step's cache store (nothing without one)."""
+        return self.compiled.store.lock if self.compiled is not None else contextlib.nullcontext()
+
     def _forward_eager(self, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
+        layers = self._eager_layers(batch)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return done.value
+
+    def _eager_layers(self, batch: Sequence[SequenceInput]) -> Generator[int, None, list[ForwardOutput]]:
         trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
         masks, bounds, keys, begin = [], [], [], 0
         for b in batch:
@@ -359,6 +383,7 @@ class Transformer(nn.Module):
             x = block.forward_segments(x, cos, sin, segments)
             if i in wanted:
                 captured[i] = x
+            yield i
         rows = [torch.arange(lo, hi) if b.logits_rows is None else b.logits_rows.cpu() + lo
                 for (lo, hi), b in zip(bounds, batch, strict=True)]
         logits = self.lm_head(self.norm(x[torch.cat(rows).to(self.device)])).float()

@@ -103,6 +103,11 @@ class StepBatcher(Generic[J, R]):
                 self._expected[session] = until
             self._cv.notify()
 
+    @property
+    def last_seconds(self) -> float:
+        """Seconds the last batch took (0 before the first)."""
+        return self._last_seconds
+
     def queued(self) -> int:
         """Jobs and calls waiting for the worker."""
         with self._cv:

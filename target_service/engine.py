@@ -41,6 +41,10 @@ ROUND_WAIT_S = 2.0
 # target's context: a token of a byte-level BPE rarely spans more than a few bytes, so this only catches what could
 # never fit.
 MAX_PROMPT_CHARS_PER_TOKEN = 32
+# Rows of a prompt chunk: a slice of its forward is one layer of it at least, which a neighbour's step may wait for
+# (docs/RELIABILITY.md: 512 rows cost a neighbour 8-9x, 128 rows 2.4-3.2x and the prompt ~20 % of its throughput)
+PREFILL_CHUNK_ROWS = 128
+LOCK_TURN_S = 0.05  # the longest a prompt chunk waits between two layers for others to take the cache store's lock
 
 Prompt = str | list[dict[str, str]] | Sequence[int]
 
@@ -141,6 +145,7 @@ class TargetEngine:
         # prefills started + ended, and running: a step whose wait saw neither change nor a running prefill did not
         # wait for another session's prompt (the adaptive mode's samples)
         self.prefill_epoch, self.prefills_running = 0, 0
+        self.prefill_slices = 0  # times a prompt chunk stopped for other sessions' steps
         self._prefill_lock = threading.Lock()
 
     def _forward_batch(self, batch: list[SequenceInput]) -> list[ForwardOutput]:
@@ -253,12 +258,12 @@ class TargetEngine:
         s.generator = None if s.sampling.is_greedy else make_generator(s.sampling.seed)
         def forward(inp: SequenceInput) -> ForwardOutput:
             self.sessions.get(session_id)  # released meanwhile (its stream ended): no further chunk is run
-            return self._forward(inp, then=wire_captures)
+            return self._forward_in_slices(inp)
 
         self._count_prefill(+1)
         try:
             with s.lock:
-                logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, forward=forward)
+                logits, captures = prefill(self.model, s.cache, ids, s.capture_layers, PREFILL_CHUNK_ROWS, forward)
                 next_token = int(self.batcher.call(lambda: accept_tree(logits[None], [0], [-1], s.sampling,
                                                                        s.generator))[1])
         finally:
@@ -267,6 +272,40 @@ class TargetEngine:
         s.prompt_length = len(ids)
         s.decoder = IncrementalDecoder(self.tokenizer)
         return Prefilled(ids, next_token, captures, s.decoder.add(next_token))
+
+    def _forward_in_slices(self, inp: SequenceInput) -> ForwardOutput:
+        """A prompt chunk on the worker, a slice of its layers at a time while other sessions' steps are queued: the
+        worker runs them between two slices, so a neighbour's step waits for about one slice (`slice_seconds`: the
+        last batch's, about one step) rather than for the whole chunk. However it is sliced, the chunk computes the
+        same numbers (the same ops on the same tensors, in the same order); alone, it runs in one slice."""
+        layers = self.model.forward_by_layers([inp])
+        out: list[ForwardOutput] = []
+        t_start = time.perf_counter()
+
+        lock = self.model.step_lock()
+
+        def run_slice() -> bool:
+            t0, budget = time.perf_counter(), self.slice_seconds()
+            while True:
+                if getattr(lock, "waiting", 0):  # a session's commit: before the next layer
+                    lock.let_waiters_in(LOCK_TURN_S)
+                with lock:
+                    try:
+                        next(layers)
+                    except StopIteration as done:
+                        out.append(wire_captures(done.value[0]))
+                        return True
+                if self.batcher.queued() and time.perf_counter() - t0 >= budget:
+                    return False
+
+        while not self.batcher.call(run_slice):
+            self.prefill_slices += 1
+        self._on_batch(BatchInfo(1, inp.tokens.shape[0], time.perf_counter() - t_start))
+        return out[0]
+
+    def slice_seconds(self) -> float:
+        """How long a slice of a prompt chunk runs before the steps queued meanwhile: about one step."""
+        return self.batcher.last_seconds
 
     def _count_prefill(self, change: int) -> None:
         with self._prefill_lock:
