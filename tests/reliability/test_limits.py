@@ -284,15 +284,16 @@ def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.
 
 def test_a_prefill_stops_between_chunks_once_its_session_is_released(smollm2_path):
     """A stream that ends (cancelled, deadline) releases its sessions; a long prefill under way runs no further
-    chunk (decode.prefill runs 512 rows per forward). Forced: the first chunk's forward releases the session."""
+    chunk (the engine's prefill runs PREFILL_CHUNK_ROWS rows per forward). Forced: the first chunk's forward
+    releases the session."""
     from dspark_grpc.speculation.errors import NotFound
-    from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
+    from dspark_grpc.target_service.engine import PREFILL_CHUNK_ROWS, EngineLimits, TargetEngine
 
     engine = TargetEngine.load(smollm2_path, limits=EngineLimits(max_length=2048), progress=False)
     try:
         sid = engine.open_session()
         forwards = []
-        run = engine._forward
+        run = engine._forward_in_slices
 
         def forward_then_release(inp, *args, **kwargs):
             forwards.append(inp.tokens.shape[0])
@@ -300,9 +301,9 @@ def test_a_prefill_stops_between_chunks_once_its_session_is_released(smollm2_pat
             engine.release(sid)
             return out
 
-        engine._forward = forward_then_release
+        engine._forward_in_slices = forward_then_release
         with pytest.raises(NotFound):
-            engine.prefill(sid, [1] * 1500)  # three chunks
-        assert forwards == [512]
+            engine.prefill(sid, [1] * 1500)  # twelve chunks
+        assert forwards == [PREFILL_CHUNK_ROWS]
     finally:
         engine.close()
