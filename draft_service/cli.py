@@ -14,14 +14,12 @@ from dspark_grpc.draft_service.engine import DEFAULT_MAX_PER_PRINCIPAL, DEFAULT_
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
-from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
 from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.serving.security import server_security
-from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
-from dspark_grpc.serving.sessions import limits_problem
+from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
-from dspark_grpc.cli_common import OneLineParser, fail, port_number, positive_int
+from dspark_grpc.cli_common import OneLineParser, port_number, positive_int
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -77,12 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                 "embedded, random, none)")
     if args.target_model is not None and not Path(args.target_model).exists():
         p.error(f"--target-model {args.target_model}: no such file or directory")
-    if problem := limits_problem(args.max_sessions, args.max_sessions_per_principal, args.reserved_sessions):
-        p.error(problem)
-    try:
-        device = resolve_device(args.device)
-    except DeviceUnavailable as e:
-        fail(p.prog, str(e))
+    device = checked_device(p, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

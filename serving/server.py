@@ -15,22 +15,35 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
+import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
 from dspark_grpc.serving.refusal_log import RefusalLog
 from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, exposure_warning
-from dspark_grpc.serving.sessions import Owner
+from dspark_grpc.serving.sessions import Owner, limits_problem
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from dspark_grpc.cli_common import device_choice, non_negative_int, port_number, positive_int
+from dspark_grpc.cli_common import device_choice, fail, non_negative_int, port_number, positive_int
 
 log = logging.getLogger("dspark.serving")
 T = TypeVar("T")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a prefill capture of a few thousand rows fits
 DTYPES = ("float32", "bfloat16")
+
+
+def checked_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The serve flags' checks both services share: the session limits (a usage error), then the device (one line,
+    exit 1); the device to run on."""
+    if problem := limits_problem(args.max_sessions, args.max_sessions_per_principal, args.reserved_sessions):
+        p.error(problem)
+    try:
+        return resolve_device(args.device)
+    except DeviceUnavailable as e:
+        fail(p.prog, str(e))
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_threads: int = 0,

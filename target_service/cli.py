@@ -13,16 +13,14 @@ import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
 from dspark_grpc.runtime.compiled_step import COMPILE_MODES, missing_compiler
-from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
 from dspark_grpc.serving.security import ServerSecurity, server_security
-from dspark_grpc.serving.server import add_serve_arguments, exit_now, in_thread_that_ends, serve
-from dspark_grpc.serving.sessions import limits_problem
+from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
 from dspark_grpc.target_service.drafter_link import warn_if_unreachable
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
 
-from dspark_grpc.cli_common import OneLineParser, fail, non_negative_float, non_negative_int, port_number, positive_int
+from dspark_grpc.cli_common import OneLineParser, non_negative_float, non_negative_int, port_number, positive_int
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -92,12 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.model is not None and not Path(args.model).exists():
         p.error(f"--model {args.model}: no such file or directory (a .gguf file or an HF directory)")
-    if problem := limits_problem(args.max_sessions, args.max_sessions_per_principal, args.reserved_sessions):
-        p.error(problem)
-    try:
-        device = resolve_device(args.device)
-    except DeviceUnavailable as e:
-        fail(p.prog, str(e))
+    device = checked_device(p, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
