@@ -281,7 +281,6 @@ class TargetEngine:
         layers = self.model.forward_by_layers([inp])
         out: list[ForwardOutput] = []
         t_start = time.perf_counter()
-
         lock = self.model.step_lock()
 
         def run_slice() -> bool:
