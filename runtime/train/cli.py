@@ -1,6 +1,7 @@
 """`dspark-train`: self-distil a DSpark drafter for a target, end to end.
 
-prompts -> target generations with features and top-k logits (cached) -> draft vocabulary -> warm-started drafter
+prompts -> target generations with features and top-k logits (cached; in the precision the target serves, batched as
+the target service batches) -> draft vocabulary -> warm-started drafter
 -> training with held-out acceptance estimates -> confidence calibration -> out/drafter (speculators layout, with
 the temperatures in config.json), out/train_state.pt (resume), out/report.json.
 """
@@ -11,12 +12,13 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import default_model_path, load_checkpoint
+from ..checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from ..compiled_step import COMPILE_MODES, default_compile_cache
 from ..drafter import Drafter
 from ..drafter_formats import save_drafter
 from ..tokenizer import TextTokenizer
@@ -61,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target .gguf or HF dir (None: the embedded SmolLM2-135M)")
     p.add_argument("--out", required=True, help="output directory: drafter/, train_state.pt, report.json")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
+    p.add_argument("--precision", default="fast", choices=PRECISIONS,
+                   help="the target's precision for the data (fast: the int4 blocks it serves by default on the CPU)")
+    p.add_argument("--compile", default="max", choices=COMPILE_MODES,
+                   help="the fast precision's compiled step for the generation (saved in $DSPARK_COMPILE_CACHE)")
     p.add_argument("--seed", type=int, default=0, help="training seed (init, batches, anchors)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy "
                    "machine 1 can be 10-40x faster than oversubscribed threads")
@@ -111,14 +117,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_target(path: str | None, device: torch.device) -> tuple[Transformer, TextTokenizer, str]:
-    ckpt = load_checkpoint(Path(path) if path else default_model_path(), progress=True)
+@dataclass
+class LoadedTarget:
+    weights: Transformer  # float32: the drafter's warm start
+    generator: Transformer  # the model that writes the data, in the precision it serves
+    tokenizer: TextTokenizer
+    digest: str  # the weights and the generator's precision (part of the feature cache's key)
+
+
+def load_target(path: str | None, device: torch.device, precision: str, compile: str) -> LoadedTarget:
+    path = Path(path) if path else default_model_path()
+    ckpt = load_checkpoint(path, progress=True)
     if ckpt.gguf_metadata is not None:
         tokenizer = TextTokenizer.from_gguf_metadata(ckpt.gguf_metadata)
     else:
         tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
-    digest = target_digest(ckpt)
-    return Transformer.from_checkpoint(ckpt).to(device).pack(), tokenizer, digest
+    weights = Transformer.from_checkpoint(ckpt).to(device).pack()
+    if device.type != "cpu":  # blocks and the compiled step are CPU-only (runtime/checkpoint.inference_model)
+        compile = "off"
+    served = ckpt if precision == "exact" or device.type != "cpu" else load_checkpoint(path, False, precision)
+    generator = inference_model(served, precision, compile=compile, progress=True,
+                                compile_cache=default_compile_cache() if compile != "off" else None, device=device)
+    digest = target_digest(ckpt) if precision == "exact" else f"{target_digest(ckpt)}:{precision}"
+    return LoadedTarget(weights, generator, tokenizer, digest)
 
 
 def select_prompts(args: argparse.Namespace) -> tuple[list[Prompt], list[Prompt]]:
@@ -159,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    target, tokenizer, digest = load_target(args.target, device)
+    loaded = load_target(args.target, device, args.precision, args.compile)
+    target, tokenizer, digest = loaded.weights, loaded.tokenizer, loaded.digest
     tc = target.config
     layer_ids = (tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids
                  else default_layer_ids(tc.num_layers, args.layers))
@@ -173,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"target {tc.name}: {tc.num_layers} layers, vocab {tc.vocab_size}; features at layers {list(layer_ids)}; "
         f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts; cache {cache.dir if cache else 'off'}")
     common = dict(shard_size=args.gen_batch, max_prompt_tokens=args.max_prompt_tokens, progress=stderr_progress)
-    train_seqs = build_sequences(target, tokenizer, train_prompts, layer_ids, gen, cache, heldout=False, **common)
-    heldout_seqs = build_sequences(target, tokenizer, heldout_prompts, layer_ids, gen, cache, heldout=True, **common)
+    model = loaded.generator
+    train_seqs = build_sequences(model, tokenizer, train_prompts, layer_ids, gen, cache, heldout=False, **common)
+    heldout_seqs = build_sequences(model, tokenizer, heldout_prompts, layer_ids, gen, cache, heldout=True, **common)
     gen_tokens = sum(s.generated.numel() for s in train_seqs)
     topk_mass = torch.cat([(s.topk_values - s.logsumexp[:, None]).exp().sum(-1) for s in train_seqs]).mean()
     log(f"{len(train_seqs)} train sequences ({gen_tokens} generated tokens, "
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = init_drafter(target, vocab, num_layers=args.layers, block_size=args.block_size,
                            target_layer_ids=layer_ids, markov_rank=args.markov_rank, markov_head_type=args.markov_head,
                            mask_token_id=mask, seed=args.seed, warm_start=not args.no_warm_start).to(device)
-    del target
+    del target, loaded, model
     n_params = sum(p.numel() for _, p in trainable_parameters(drafter))
     losses = LossWeights(args.loss_ce, args.loss_tv, args.loss_kl, args.loss_confidence, args.gamma)
     settings = TrainSettings(args.steps, args.batch, args.anchors, args.lr, args.warmup, args.weight_decay,

@@ -5,10 +5,11 @@ objects are decoded one at a time) and code tasks (a built-in list, optionally s
 HumanEval prompts: those are held-out benchmark prompts. A prompt is held out when the hash of its conversation id
 says so, so every piece of one ShareGPT conversation lands on the same side.
 
-Generation: the target continues a batch of prompts (greedy or sampled, seeded per prompt) in one packed sequence:
-the runtime's single-sequence Transformer and KV cache, with a mask that lets every row see only its own prompt's
-rows. Each forward also captures the target's hidden states at the drafter's `target_layer_ids` and the top-k of
-its logits, so the chain labels, features and teacher distributions all come from the target's own continuation.
+Generation: the target continues a batch of prompts (greedy or sampled, seeded per prompt) as the target service
+does, one cache per prompt and one batched forward per step, in the precision it serves (the fast precision's
+compiled step by default). Each forward also captures the target's hidden states at the drafter's
+`target_layer_ids` and the top-k of its logits, so the chain labels, features and teacher distributions all come
+from the target's own continuation.
 
 Cache: shards of generated sequences under `.cache/dspark-train/<key>/`, keyed by the target's weights, layer ids,
 top-k and generation settings; a shard's file name carries the hash of its prompts, so a run resumes where it
@@ -35,7 +36,7 @@ from torch import Tensor
 from ..checkpoint import Checkpoint
 from ..sampling import SamplingParams, make_generator, sample
 from ..tokenizer import TextTokenizer
-from ..transformer import Transformer
+from ..transformer import SequenceInput, Transformer
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 DEFAULT_CACHE = Path(".cache") / "dspark-train"
@@ -287,8 +288,9 @@ def generate_batch(
     prompt_ids: Sequence[str] | None = None,
 ) -> list[TargetSequence]:
     """Continue every prompt (greedy where sampling[i] is None, else sampled with torch.Generator(seeds[i])) until an
-    EOS id or max_new_tokens, all prompts packed into one KV cache. Each sequence keeps the features of every token
-    fed to the target and the top-k logits behind every generated token."""
+    EOS id or max_new_tokens, as the target service's batcher does: one cache per prompt, every unfinished prompt's
+    next row in one `forward_batch` (the compiled step where the model has one). Each sequence keeps the features of
+    every token fed to the target and the top-k logits behind every generated token."""
     n = len(prompts)
     sampling = [None] * n if sampling is None else list(sampling)
     seeds = list(range(n)) if seeds is None else list(seeds)
@@ -296,34 +298,29 @@ def generate_batch(
     assert len(sampling) == len(seeds) == len(prompt_ids) == n
     if max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
         raise ValueError("generation needs non-empty prompts and max_new_tokens >= 1")
-    layers, device = tuple(layer_ids), model.device
-    cache = model.new_cache(max_length=sum(len(p) + max_new_tokens for p in prompts), initial_capacity=4096)
-    owner = torch.empty(0, dtype=torch.long, device=device)  # the sequence each cache row belongs to
-    features: list[list[Tensor]] = [[] for _ in range(n)]
-    last_logits = []
-    for i, prompt in enumerate(prompts):
-        T, start = len(prompt), cache.length
-        mask = torch.zeros(T, start + T, dtype=torch.bool, device=device)
-        mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        out = model(torch.tensor(list(prompt)), torch.arange(T), cache, mask=mask,
-                    logits_rows=torch.tensor([T - 1]), capture_layers=layers)
-        cache.commit(range(T))
-        owner = torch.cat([owner, torch.full((T,), i, device=device)])
-        features[i].append(out.captures.to(torch.bfloat16).cpu())
-        last_logits.append(out.logits[0])
+    layers = tuple(layer_ids)
+    caches = [model.new_cache(max_length=len(p) + max_new_tokens) for p in prompts]
+    prefill = [SequenceInput(torch.tensor(list(p)), torch.arange(len(p)), c, logits_rows=torch.tensor([len(p) - 1]),
+                             capture_layers=layers) for p, c in zip(prompts, caches, strict=True)]
+    outs = model.forward_batch(prefill)
+    features: list[list[Tensor]] = [[o.captures.to(torch.bfloat16).cpu()] for o in outs]
+    for p, c in zip(prompts, caches, strict=True):
+        c.commit(range(len(p)))
+    logits = torch.stack([o.logits[0] for o in outs])
     generators = [make_generator(s) if p is not None else None for p, s in zip(sampling, seeds, strict=True)]
     new: list[list[int]] = [[] for _ in range(n)]
     top: list[list[tuple[Tensor, Tensor, Tensor]]] = [[] for _ in range(n)]
     eos = set(eos_ids)
-    active, logits = list(range(n)), torch.stack(last_logits)
+    active = list(range(n))
     while active:
-        values, ids, lse = _topk(logits, top_k)
+        values, ids, lse = (t.cpu() for t in _topk(logits, top_k))
+        greedy = logits.argmax(-1).cpu()
         still = []
         for row, i in enumerate(active):
-            top[i].append((values[row].cpu(), ids[row].cpu(), lse[row].cpu()))
+            top[i].append((values[row], ids[row], lse[row]))
             params = sampling[i]
             if params is None:
-                token = int(logits[row].argmax())
+                token = int(greedy[row])
             else:  # on the CPU, where the seeded generator lives
                 token = int(sample(logits[row].float().cpu(), params, generators[i]))
             new[i].append(token)
@@ -332,19 +329,13 @@ def generate_batch(
         active = still
         if not active:
             break
-        index = torch.tensor(active, device=device)
-        tokens = torch.tensor([new[i][-1] for i in active])
-        positions = torch.tensor([len(prompts[i]) + len(new[i]) - 1 for i in active])
-        L, A = cache.length, len(active)
-        mask = torch.cat([owner[None, :] == index[:, None], torch.eye(A, dtype=torch.bool, device=device)], dim=1)
-        out = model(tokens, positions, cache, mask=mask, capture_layers=layers)
-        cache.commit(range(A))
-        owner = torch.cat([owner, index])
-        captures = out.captures.to(torch.bfloat16).cpu()
-        for row, i in enumerate(active):
-            features[i].append(captures[row: row + 1])
-        logits = out.logits
-        assert cache.length == L + A
+        outs = model.forward_batch([
+            SequenceInput(torch.tensor([new[i][-1]]), torch.tensor([len(prompts[i]) + len(new[i]) - 1]), caches[i],
+                          capture_layers=layers) for i in active])
+        for i, o in zip(active, outs, strict=True):
+            caches[i].commit(range(1))
+            features[i].append(o.captures.to(torch.bfloat16).cpu())
+        logits = torch.cat([o.logits for o in outs])
     sequences = []
     for i in range(n):
         values, ids, lse = (torch.stack(t) for t in zip(*top[i], strict=True))
