@@ -232,7 +232,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
                 entry = entries[mode]
                 results[mode][str(c)] = entry
                 log(f"[bench] {mode} c={c}: {entry['generated_tokens']} tokens in {entry['wall_s']:.2f} s, "
-                    f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}")
+                    f"{entry['tokens_per_s']:.1f} tok/s, acceptance length {entry['acceptance_length']:.2f}"
+                    + _round_costs(entry))
 
     result = {"command": list(command if command is not None else sys.argv), "machine": machine_info(),
               "config": config, "results": results, "lossless": _lossless(results, concurrency)}
@@ -369,6 +370,17 @@ def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tok
     return rs, wall
 
 
+def _round_costs(entry: dict) -> str:
+    """'; drafter round X ms (Y ms of drafter work), verify Z ms per speculative step' where the mode drafted."""
+    steps, rounds = entry.get("speculative_steps", 0), entry.get("draft_rounds", 0)
+    if not steps:
+        return ""
+    work = f" ({1e3 * entry['draft_compute_s'] / rounds:.1f} ms of drafter work)" if rounds else ""
+    return (f"; drafter round {1e3 * entry['draft_round_s'] / rounds if rounds else 0:.1f} ms{work}, waits "
+            f"{1e3 * entry['draft_s'] / steps:.1f} ms and verify {1e3 * entry['verify_s'] / steps:.1f} ms per "
+            "speculative step")
+
+
 def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
     stats = [r.stats for r in rs]
     generated = sum(s.generated_tokens for s in stats)
@@ -386,6 +398,11 @@ def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
         "finish_reasons": [r.finish_reason for r in rs],
         "prefill_s": sum(s.prefill_seconds for s in stats),
         "draft_s": sum(s.draft_seconds for s in stats),
+        # the steps that asked the drafter within the step (not drafted ahead): their wait and, of it, the draft
+        # service's own time on the proposals
+        "draft_rounds": sum(s.draft_rounds for s in stats),
+        "draft_round_s": sum(s.draft_round_seconds for s in stats),
+        "draft_compute_s": sum(s.draft_compute_seconds for s in stats),
         "verify_s": sum(s.verify_seconds for s in stats),
         # how the steps batched: sessions and rows per target forward, sessions per drafter pass (step-weighted)
         "forward_sessions": _per_step(stats, "forward_sessions"),

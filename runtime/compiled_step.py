@@ -38,16 +38,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .batch_invariant import BUCKET
 from .progress import still_working
 from .quant import BlockWeight
 from .rope import rope_cos_sin, rotate_half
 from .slot_cache import SlotCache, SlotStore
+from .transformer import ForwardOutput, SequenceInput
 
 if TYPE_CHECKING:
-    from .transformer import ForwardOutput, SequenceInput, Transformer
+    from .transformer import Transformer
 
 COMPILE_MODES = ("off", "fast", "max")  # max: inductor's C++ wrapper (a longer compile, a faster step)
 WARMUP_ROWS = (2, 1)  # the graph is traced on the first (R = 1 would specialize it); the second checks R = 1
@@ -156,11 +156,6 @@ def artifact_key(model: Transformer, mode: str = "fast") -> str:
     return h.hexdigest()[:20]
 
 
-def default_compile_cache() -> Path:
-    """$DSPARK_COMPILE_CACHE, else ~/.cache/dspark-grpc/compiled: where the target and the engine bench keep steps."""
-    return default_cache_dir("compiled", "DSPARK_COMPILE_CACHE")
-
-
 def load_step(path: Path) -> Callable | None:
     """A step saved by `CompiledStep`, or None when the file is missing or unreadable (it is then compiled again)."""
     try:
@@ -236,8 +231,6 @@ class CompiledStep:
         """Load or compile the graph now (on a throwaway slot), showing progress; returns the seconds it took."""
         t0 = time.perf_counter()
         cache = self.new_cache(max_length=BUCKET)
-        from .transformer import SequenceInput
-
         compiling = progress and not self.saved
         if compiling:
             print("[dspark] compiling the step graph (AR steps and verifies; the first start takes minutes on 2 cores, "
@@ -285,8 +278,6 @@ class CompiledStep:
 
     @torch.no_grad()
     def __call__(self, model: Transformer, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
-        from .transformer import ForwardOutput
-
         if self.graph is None and sum(b.tokens.shape[0] for b in batch) < 2 and not self.saved:
             self.warm_up(progress=False)  # traced on its 2-row step first
         masks, slots, write_rows, logit_rows, begin = [], [], [], [], 0

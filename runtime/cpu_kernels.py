@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 
 import torch
+from dspark_grpc.speculation.cost_table import default_cache_dir
 
 from .progress import still_working
 
@@ -90,6 +91,12 @@ def _load() -> str | None:
         return _load_once()
 
 
+def default_compile_cache() -> Path:
+    """$DSPARK_COMPILE_CACHE, else ~/.cache/dspark-grpc/compiled: where the target and the engine bench keep the
+    compiled steps (runtime/compiled_step.py) and this module its built library."""
+    return default_cache_dir("compiled", "DSPARK_COMPILE_CACHE")
+
+
 def _load_once() -> str | None:
     if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
         return "turned off by DSPARK_CPU_KERNELS=0"
@@ -97,8 +104,6 @@ def _load_once() -> str | None:
         return "the kernels need an x86 CPU with AVX2"
     if hasattr(torch.ops.dspark, "gguf_matmul"):
         return None
-    from .compiled_step import default_compile_cache
-
     path = _library_path(default_compile_cache())
     if not path.exists() and shutil.which("g++") is None:
         return "no g++ on PATH to build them"

@@ -20,8 +20,9 @@ from .drafter_config import DrafterConfig
 from .kv_cache import CacheFullError, KVCache
 from .linear import Linear, pack_linears, quantize_linears
 from .markov import ConfidenceHead, MarkovHead
+from .norm import RMSNorm
 from .rope import rope_cos_sin, rope_inv_freq
-from .transformer import Block, Embedding, RMSNorm, Segment
+from .transformer import Block, Embedding, Segment
 
 MARKOV_BIAS_CACHE = 1024  # previous tokens whose Markov bias a packed drafter keeps (32 MB at 8192 draft tokens)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .linear import FusedProjection, Linear
+from .norm import RMSNorm
 from .tree import ancestor_mask, tree_depths
 
 if TYPE_CHECKING:
@@ -142,8 +143,6 @@ class GatedDeltaNet(nn.Module):
         self.conv = nn.Parameter(torch.empty(self.conv_dim, self.kernel))  # HF conv1d.weight[:, 0, :]
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A = nn.Parameter(torch.empty(self.num_v_heads))  # -exp(A_log), as GGUF stores it
-        from .transformer import RMSNorm  # one RMSNorm; transformer.py imports this module
-
         self.norm = RMSNorm(self.v_dim, c.rms_norm_eps)
         self.out = Linear(value_dim, c.hidden_size, bias=False)
         self.proj: FusedProjection | None = None

@@ -317,7 +317,7 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
     if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == "fused":
         from .markov_triton import markov_chain_fused
 
-        return markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t)
+        return Chain(*markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t))
     if temperature == 0:
         return draft_chains(base_logits[None], hidden_pre[None], hidden_post[None],
                             torch.tensor([anchor], device=base_logits.device), markov, confidence, d2t)[0]

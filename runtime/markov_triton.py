@@ -8,15 +8,18 @@ On CPU it runs only under TRITON_INTERPRET=1, set before triton is first importe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from .markov import Chain, ConfidenceHead, MarkovHead, check_chain_inputs, choose_kernel
+if TYPE_CHECKING:
+    from .markov import ConfidenceHead, MarkovHead
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch path still works; choose_kernel refuses kernel="fused"
+except ImportError:  # the torch path still works; markov.choose_kernel refuses kernel="fused"
     triton = tl = None
 
 
@@ -97,11 +100,12 @@ def _pow2(n: int) -> int:
 
 def markov_chain_fused(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
                        markov: MarkovHead | None, confidence: ConfidenceHead | None, d2t: Tensor | None = None,
-                       block_v: int | None = None, num_warps: int = 8) -> Chain:
-    """The greedy chain of `markov.draft_chain` in one kernel launch; same tokens as the torch path."""
+                       block_v: int | None = None, num_warps: int = 8) -> tuple[list[int], Tensor, Tensor | None]:
+    """The greedy chain of `markov.draft_chain` in one kernel launch (tokens, log-probabilities, confidences); the
+    same tokens as the torch path. Its inputs are checked by the caller (markov.draft_chain)."""
     device = base_logits.device
-    choose_kernel("fused", None if markov is None else markov.kind, 0.0, device)  # refuses what cannot run
-    check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
+    if not triton_runnable(device):
+        raise RuntimeError(f"the fused Triton chain cannot run on {device} here (markov.choose_kernel says why)")
     n, vocab = base_logits.shape
     assert hidden_pre.shape[0] == n and hidden_post.shape == hidden_pre.shape
     u = base_logits.contiguous()
@@ -138,4 +142,4 @@ def markov_chain_fused(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Ten
         CONF_MARKOV=confidence is not None and confidence.with_markov,
         BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return Chain(tokens.tolist(), logprobs, conf if confidence is not None else None)
+    return tokens.tolist(), logprobs, conf if confidence is not None else None

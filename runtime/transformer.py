@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .kv_cache import CacheFullError, HybridCache, KVCache
 from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
 from .linear_attention import GatedDeltaNet, parents_from_mask
+from .norm import RMSNorm
 from .quant import BlockWeight, QuantBlocks
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -78,18 +79,6 @@ class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # on meta, normal_ would load torch's Python reference ops: seconds at start-up
             super().reset_parameters()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         from dspark_grpc.runtime.checkpoint import default_model_path
 
         path = args.model or default_model_path()
-        from dspark_grpc.runtime.compiled_step import default_compile_cache
+        from dspark_grpc.runtime.cpu_kernels import default_compile_cache
         from dspark_grpc.speculation.cost_table import default_cache_dir
 
         compile_cache = args.compile_cache or default_compile_cache()

@@ -390,6 +390,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         self._drafter_failed(drafting, reply.error)
                     reply_depth = reply.depth
                     report.draft_seconds = time.perf_counter() - t0
+                    if proposal is not None and planned.reply is None:  # asked for within this wait
+                        report.draft_compute_seconds = proposal.compute_seconds
                 if proposal is not None:
                     fitted = drafting.fit(proposal, room, reply_depth)
                     try:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
-from ..compiled_step import COMPILE_MODES, default_compile_cache
+from ..compiled_step import COMPILE_MODES
+from ..cpu_kernels import default_compile_cache
 from ..drafter import Drafter
 from ..drafter_formats import save_drafter
 from ..tokenizer import TextTokenizer

@@ -162,7 +162,7 @@ def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot():
 OTHER_ISA_SCRIPT = """
 import sys, torch
 from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.compiled_step import default_compile_cache
+from dspark_grpc.runtime.cpu_kernels import default_compile_cache
 inputs = torch.load(sys.argv[1])
 path = cpu_kernels._library_path(default_compile_cache())
 path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,3 +92,16 @@ def test_an_adaptive_step_that_can_emit_one_token_is_planned_ar(session):
     session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
     report = session.ok(step=target_pb2.Step(session_id=sid, tokens_left=1)).report
     assert report.planned_ar and report.draft_depth == 0 and report.draft_seconds == 0
+
+
+def test_the_step_report_splits_the_drafter_wait_into_its_compute_and_the_rest(session):
+    """draft_compute_seconds is the draft service's own time on the proposal, inside the target's wait for it (a
+    duration measured within the other's: no clock comparison across processes); a proposal asked for ahead (when
+    the step before committed) reports none."""
+    sid = session.ok(open=target_pb2.OpenSession(step_options=SPECULATION)).session_id
+    session.ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    reports = [session.ok(step=target_pb2.Step(session_id=sid)).report for _ in range(6)]
+    asked = [r for r in reports if r.draft_compute_seconds > 0]
+    assert asked, reports  # the first step's proposal is asked for within it
+    for r in asked:
+        assert r.draft_depth >= 1 and not r.draft_ready and r.draft_compute_seconds <= r.draft_seconds, r
