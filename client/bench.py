@@ -42,8 +42,9 @@ from dspark_grpc.client.local_stack import local_drafter, local_target
 from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.speculation.channel import make_channel
+from dspark_grpc.speculation.wire import ADAPTIVE, AR, AUTO, CHAIN, DEFAULT_PROPOSER, SPECULATION
 
-DRAFTER_MODES = ("speculation", "adaptive")
+DRAFTER_MODES = (SPECULATION, ADAPTIVE)
 OVERRIDES = ("proposal", "proposer", "kernel", "budget")
 
 
@@ -123,8 +124,8 @@ def drafter_info(address: str, timeout: float = 30.0) -> draft_pb2.GetDrafterInf
 
 
 def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
-              target: str | None = None, drafter: str | None = None, proposal: str = "chain", budget: int = 0,
-              kernel: str = "auto", *, proposer: str = "default", ignore_eos: bool = False,
+              target: str | None = None, drafter: str | None = None, proposal: str = CHAIN, budget: int = 0,
+              kernel: str = AUTO, *, proposer: str = DEFAULT_PROPOSER, ignore_eos: bool = False,
               drafter_checkpoint: str | None = None,
               target_model: str | None = None,
               draft_timeout: float = 10.0, prompts_file: str | None = None, command: list[str] | None = None,
@@ -242,8 +243,8 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     for name in baselines:
         log(f"[bench] baseline {name} (after the modes): {len(prompts)} prompts")
         base = bracketed(baseline_before[name], BASELINES[name](prompts, max_new_tokens, ignore_eos, target_model))
-        if "ar" in results:  # how many prompts gave exactly our AR output (a quantized engine may differ)
-            ours = results["ar"][str(concurrency[0])]["outputs"]
+        if AR in results:  # how many prompts gave exactly our AR output (a quantized engine may differ)
+            ours = results[AR][str(concurrency[0])]["outputs"]
             base["same_as_ar"] = sum(a == b for a, b in zip(base["outputs"], ours, strict=True))
         result["baselines"][name] = base
         log(f"[bench] baseline {name}: {base['generated_tokens']} tokens in {base['wall_s']:.2f} s, "
@@ -441,15 +442,15 @@ def per_position_acceptance(stats: list) -> list[float]:
 
 def _lossless(results: dict[str, dict[str, dict]], concurrency: list[int]) -> dict[str, bool]:
     """Each mode's outputs == AR's at every concurrency; AR's own entry: the same at every concurrency."""
-    if "ar" not in results:
+    if AR not in results:
         return {}
-    ar = results["ar"]
+    ar = results[AR]
     first = ar[str(concurrency[0])]["outputs"]
     # with --repeat an entry holds its prompts' outputs once per repeat
-    lossless = {"ar": all(ar[str(c)]["outputs"] == first * (len(ar[str(c)]["outputs"]) // len(first))
+    lossless = {AR: all(ar[str(c)]["outputs"] == first * (len(ar[str(c)]["outputs"]) // len(first))
                           for c in concurrency)}
     for mode, by_c in results.items():
-        if mode != "ar":
+        if mode != AR:
             lossless[mode] = all(by_c[str(c)]["outputs"] == ar[str(c)]["outputs"] for c in concurrency)
     return lossless
 
@@ -459,14 +460,14 @@ def format_table(result: dict) -> str:
     rows = [f"{'mode':<12} {'conc':>4} {'tok/s':>8} {'vs AR':>6} {'acc.len':>7} {'wall s':>7}  lossless"]
     results, lossless = result["results"], result["lossless"]
     for c in result["config"]["concurrency"]:
-        ar = results.get("ar", {}).get(str(c))
+        ar = results.get(AR, {}).get(str(c))
         for mode, by_c in results.items():
             e = by_c[str(c)]
             ratio = f"{e['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar and ar["tokens_per_s"] else "-"
             same = {True: "yes", False: "NO"}.get(lossless.get(mode), "-")
             rows.append(f"{mode:<12} {c:>4} {e['tokens_per_s']:>8.1f} {ratio:>6} {e['acceptance_length']:>7.2f} "
                         f"{e['wall_s']:>7.2f}  {same}")
-    ar = results.get("ar", {}).get(str(result["config"]["concurrency"][0]))
+    ar = results.get(AR, {}).get(str(result["config"]["concurrency"][0]))
     for name, base in result.get("baselines", {}).items():
         ratio = f"{base['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar and ar["tokens_per_s"] else "-"
         same = f"{base['same_as_ar']}/{len(base['outputs'])} same" if "same_as_ar" in base else "-"
@@ -510,7 +511,7 @@ def bench_figure(result: dict):
     fig = Figure(figsize=(15, 5.4), layout="constrained")
     fig.suptitle(run_caption(result), fontsize=10)
     speed, accept = fig.subplots(1, 2, width_ratios=[1.2, 1])
-    ar = results.get("ar")
+    ar = results.get(AR)
     colors = {m: f"C{i}" for i, m in enumerate(results)}
     if len(conc) == 1:
         c = str(conc[0])
@@ -592,7 +593,7 @@ def _ratio_labels(speed, conc: list[int], results: dict, ar: dict, colors: dict,
     point they had to leave; a white box keeps a label readable over the lines it crosses."""
     gap = 0.06 * top
     for c in conc:
-        marks = sorted((by_c[str(c)]["tokens_per_s"], mode) for mode, by_c in results.items() if mode != "ar")
+        marks = sorted((by_c[str(c)]["tokens_per_s"], mode) for mode, by_c in results.items() if mode != AR)
         placed: list[float] = []
         for y, _ in marks:
             placed.append(max(y, placed[-1] + gap) if placed else y)

@@ -23,6 +23,7 @@ from dspark_grpc.client.sdk import (
 )
 from dspark_grpc.speculation.channel import tls_mismatch
 from dspark_grpc.speculation.generation import RequestError
+from dspark_grpc.speculation.wire import ADAPTIVE, AR, AUTO, CHAIN, DEFAULT_PROPOSER, SPECULATION
 from google.protobuf.json_format import MessageToDict
 
 from dspark_grpc.cli_common import (
@@ -50,11 +51,11 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--proposal", choices=tuple(PROPOSALS), default="chain", help="the drafter's proposal shape")
+    p.add_argument("--proposal", choices=tuple(PROPOSALS), default=CHAIN, help="the drafter's proposal shape")
     p.add_argument("--budget", type=non_negative_int, default=0,
                    help="draft nodes per step; 0 = the drafter's default")
-    p.add_argument("--kernel", choices=tuple(KERNELS), default="auto", help="the drafter's Markov chain path")
-    p.add_argument("--proposer", choices=tuple(PROPOSERS), default="default",
+    p.add_argument("--kernel", choices=tuple(KERNELS), default=AUTO, help="the drafter's Markov chain path")
+    p.add_argument("--proposer", choices=tuple(PROPOSERS), default=DEFAULT_PROPOSER,
                    help="dspark, ngram (prompt lookup) or hybrid; default = the draft service's default")
 
 
@@ -196,7 +197,7 @@ def parser() -> OneLineParser:
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help="the target service's address (host:port; dns:///NAME:PORT balances over what NAME "
                         "resolves to); several, comma-separated: requests go round-robin")
-    g.add_argument("--mode", choices=tuple(MODES), default="adaptive",
+    g.add_argument("--mode", choices=tuple(MODES), default=ADAPTIVE,
                    help="ar = target only; speculation = draft every step (the target must have been started with "
                         "--drafter); adaptive = speculate while it pays (AR where the target has no drafter)")
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
@@ -332,7 +333,7 @@ def _demo(args: argparse.Namespace) -> None:
         print(f"target {info.model_name} ({info.architecture}, {info.num_layers} layers) at {target}; "
               f"drafter {dinfo.name} at {drafter}", file=sys.stderr)
         messages = [{"role": "user", "content": args.message}]
-        modes = ("ar", "speculation", "adaptive")
+        modes = (AR, SPECULATION, ADAPTIVE)
         compare = args.temperature == 0 or args.seed is not None
         for mode in modes:  # a warm-up round, shown: not counted
             print(f"\n=== {mode} ===\nuser: {args.message}\nassistant: ", flush=True)

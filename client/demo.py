@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.speculation.wire import ADAPTIVE, AR
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,12 @@ def summary(runs: dict[str, list[Run]], compare: bool) -> list[str]:
         if accepted:
             line += f"; acceptance length {statistics.median(accepted):.2f} tokens per speculative step"
         lines.append(line)
-    if "ar" in runs:
+    if AR in runs:
         for mode, mode_runs in runs.items():
-            if mode != "ar":
-                lines.append(f"{mode} vs AR: {versus_ar(mode_runs, runs['ar'])}")
-    if "adaptive" in runs:
-        lines.append(adaptive_choices(runs["adaptive"]))
+            if mode != AR:
+                lines.append(f"{mode} vs AR: {versus_ar(mode_runs, runs[AR])}")
+    if ADAPTIVE in runs:
+        lines.append(adaptive_choices(runs[ADAPTIVE]))
     if compare:
         reference = runs[next(iter(runs))][0].token_ids
         same = all(r.token_ids == reference for mode_runs in runs.values() for r in mode_runs)

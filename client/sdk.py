@@ -41,8 +41,8 @@ def make_prompt(prompt: str | None = None, messages: list[dict[str, str]] | None
 
 MODES = {name: value for name, value in wire.MODES.items() if name}
 PROPOSALS = {name: value for name, value in wire.PROPOSALS.items() if name}
-KERNELS = {name or "auto": value for name, value in wire.KERNELS.items()}  # the CLI's spelling of the default
-PROPOSERS = {name or "default": value for name, value in wire.PROPOSERS.items()}
+KERNELS = {name or wire.AUTO: value for name, value in wire.KERNELS.items()}
+PROPOSERS = {name or wire.DEFAULT_PROPOSER: value for name, value in wire.PROPOSERS.items()}
 # gRPC name resolvers whose one target can stand for several servers (`dns:///name:port` of a headless Service,
 # `ipv4:a:p,b:q`): the channel balances its calls over them round-robin (grpc's default, pick_first, would send
 # every call to one)
@@ -72,9 +72,10 @@ class TargetClient:
     goes away fails with UNAVAILABLE. `requests_by_target` counts the requests each address answered.
     """
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_TARGET, *, mode: str = "adaptive",
-                 proposal: str = "chain", budget: int = 0, kernel: str = "auto", proposer: str = "default",
-                 timeout: float | None = 600.0, security: ChannelSecurity | None = None) -> None:
+    def __init__(self, address: str | Sequence[str] = DEFAULT_TARGET, *, mode: str = wire.ADAPTIVE,
+                 proposal: str = wire.CHAIN, budget: int = 0, kernel: str = wire.AUTO,
+                 proposer: str = wire.DEFAULT_PROPOSER, timeout: float | None = 600.0,
+                 security: ChannelSecurity | None = None) -> None:
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"give one target address or a list of them, got {address!r}")

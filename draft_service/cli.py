@@ -10,7 +10,13 @@ from pathlib import Path
 
 import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.draft_service.engine import DEFAULT_MAX_PER_PRINCIPAL, DEFAULT_MAX_SESSIONS, DraftEngine, DraftLimits
+from dspark_grpc.draft_service.engine import (
+    DEFAULT_MAX_PER_PRINCIPAL,
+    DEFAULT_MAX_SESSIONS,
+    PROPOSERS,
+    DraftEngine,
+    DraftLimits,
+)
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.checkpoint import PRECISIONS
@@ -18,6 +24,7 @@ from dspark_grpc.runtime.markov import KERNELS
 from dspark_grpc.serving.security import server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
+from dspark_grpc.speculation.wire import AUTO
 
 from dspark_grpc.cli_common import OneLineParser, port_number, positive_int
 
@@ -34,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
                         "SmolLM2-135M-Instruct; 'random' = a seeded random drafter for the target (tests, demos); "
                         "'none' = prompt lookup only. Default: embedded for the embedded target (no "
                         "--target-model), none otherwise")
-    s.add_argument("--proposer", choices=("dspark", "ngram", "hybrid"), default=None,
+    s.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="default proposer: hybrid (n-gram branches merged into the DSpark tree) with a drafter, "
                         "ngram (prompt lookup) without one")
     s.add_argument("--target-model", default=None,
@@ -45,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="most draft tokens one tree (or prompt lookup) proposal may hold (a larger budget is refused)")
     s.add_argument("--ngram-min", type=positive_int, default=2, help="shortest suffix prompt lookup matches")
     s.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix prompt lookup matches")
-    s.add_argument("--kernel", choices=KERNELS, default="auto",
+    s.add_argument("--kernel", choices=KERNELS, default=AUTO,
                    help="Markov chain path when a request does not choose: auto = the fused Triton kernel on CUDA, "
                         "the torch path elsewhere")
     s.add_argument("--precision", choices=PRECISIONS, default="fast",

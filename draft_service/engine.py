@@ -52,12 +52,12 @@ from dspark_grpc.serving.sessions import SessionStore
 from dspark_grpc.serving.threads import ThreadGovernor
 from dspark_grpc.speculation.cost_table import CostTable
 from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.speculation.wire import PROTOCOL_VERSION
+from dspark_grpc.speculation.wire import CHAIN, DSPARK, HYBRID, NGRAM, PROTOCOL_VERSION, TORCH, TREE
 
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
 ROUND_WAIT_S = 2.0
-PROPOSERS = ("dspark", "ngram", "hybrid")
+PROPOSERS = (DSPARK, NGRAM, HYBRID)
 # A DSpark drafter self-distilled with dspark-train for the embedded SmolLM2-135M-Instruct (docs/PERFORMANCE.md).
 EMBEDDED_DRAFTER = Path(__file__).with_name("drafters") / "smollm2-135m-instruct-dspark"
 # A target drafts all its sessions on one stream: one principal holding up to its --max-sessions (16 by default)
@@ -130,8 +130,8 @@ class DraftEngine:
         self.target_fingerprint = target_fingerprint
         self.name = name
         self.limits = limits
-        self.proposers = PROPOSERS if drafter is not None else ("ngram",)
-        self.default_proposer = limits.default_proposer or ("hybrid" if drafter is not None else "ngram")
+        self.proposers = PROPOSERS if drafter is not None else (NGRAM,)
+        self.default_proposer = limits.default_proposer or (HYBRID if drafter is not None else NGRAM)
         if self.default_proposer not in self.proposers:
             raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
                              f"available: {self.proposers}")
@@ -303,7 +303,7 @@ class DraftEngine:
                 self._passes.unexpect(id(s.context))
         out.proposer, out.compute_seconds = proposer, time.perf_counter() - t0
         if self.metrics is not None:
-            self.metrics.observe_proposal(proposer, "tree" if tree else "chain", len(out.tokens) - 1,
+            self.metrics.observe_proposal(proposer, TREE if tree else CHAIN, len(out.tokens) - 1,
                                           out.compute_seconds)
         return out
 
@@ -349,32 +349,32 @@ class DraftEngine:
             raise FailedPrecondition("the context is empty: append the prompt's rows first")
         kernel = kernel or self.limits.default_kernel
         check_kernel(kernel)
-        if tree or proposer != "dspark":
+        if tree or proposer != DSPARK:
             limit, default = self.limits.max_tree_budget, self.limits.default_tree_budget if tree else \
                 self.limits.ngram_chain
         else:
             limit = default = self.config.num_drafts
         budget = budget or default
         if not 1 <= budget <= limit:
-            raise InvalidArgument(f"budget {budget} out of range: 1..{limit} for a {'tree' if tree else 'chain'} "
+            raise InvalidArgument(f"budget {budget} out of range: 1..{limit} for a {TREE if tree else CHAIN} "
                                   f"from the {proposer} proposer")
         candidates = []
-        if proposer != "dspark":
+        if proposer != DSPARK:
             s.index.extend([anchor_token])  # the matched suffix ends at the anchor
             try:
                 candidates = s.index.candidates(min_ngram=self.limits.ngram_min, max_tokens=budget)
             finally:
                 s.index.truncate(s.length - 1)
-        if proposer == "ngram":
+        if proposer == NGRAM:
             t = ngram_tree(anchor_token, candidates[:1] if not tree else candidates, budget)
-            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *["ngram"] * (len(t.tokens) - 1)])
-        if proposer == "hybrid" and not tree and candidates and candidates[0].match_length >= \
+            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *[NGRAM] * (len(t.tokens) - 1)])
+        if proposer == HYBRID and not tree and candidates and candidates[0].match_length >= \
                 self.limits.hybrid_min_match:
             t = ngram_tree(anchor_token, candidates[:1], budget)
-            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *["ngram"] * (len(t.tokens) - 1)])
+            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *[NGRAM] * (len(t.tokens) - 1)])
         dspark = self._dspark(s, anchor_token, tree, min(budget, self.config.num_drafts) if not tree else budget,
                               kernel, temperature, generator)
-        if proposer == "hybrid" and tree and candidates:
+        if proposer == HYBRID and tree and candidates:
             merged, sources = merge_trees(DraftTree(dspark.tokens, dspark.parents, dspark.logprobs,
                                                     tree_depths(dspark.parents)), candidates, budget)
             return ProposalResult(merged.tokens, merged.parents, merged.logprobs, dspark.confidences,
@@ -386,7 +386,7 @@ class DraftEngine:
         d = self.drafter
         kernel = choose_kernel(kernel, None if d.markov is None else d.markov.kind, temperature, d.device)
         assert self._passes is not None and s.context is not None
-        job = PassJob(s.context, anchor_token, greedy_chain=kernel == "torch" and temperature == 0)
+        job = PassJob(s.context, anchor_token, greedy_chain=kernel == TORCH and temperature == 0)
         result, info = self._passes.submit(job, then=lambda out: dspark_proposal(
             d, out[0], anchor_token, tree, budget, kernel, temperature, generator, self.limits, chain=out[1]))
         result.batch_sessions = info.jobs
@@ -449,7 +449,7 @@ def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool,
         chain = chain or draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
                                      d.markov, d.confidence, d.d2t, kernel=kernel)
         return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
-                              ["", *["dspark"] * (len(t.tokens) - 1)])
+                              ["", *[DSPARK] * (len(t.tokens) - 1)])
     if chain is not None:  # a greedy chain's first slots are the chain of fewer slots
         chain = Chain(chain.tokens[:budget], chain.logprobs[:budget],
                       None if chain.confidences is None else chain.confidences[:budget])
@@ -459,7 +459,7 @@ def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool,
                             generator=generator, sample_top_k=limits.sample_top_k)
     tokens = [anchor_token, *chain.tokens]
     return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
-                          chain.confidences, ["", *["dspark"] * chain.logprobs.numel()], chain.draft_ids,
+                          chain.confidences, ["", *[DSPARK] * chain.logprobs.numel()], chain.draft_ids,
                           chain.draft_logprobs)
 
 
@@ -469,7 +469,7 @@ def drafter_fingerprint(drafter: Drafter) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
-_SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: "dspark", SOURCE_NGRAM: "ngram", SOURCE_BOTH: "hybrid"}
+_SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: DSPARK, SOURCE_NGRAM: NGRAM, SOURCE_BOTH: HYBRID}
 
 
 def check_drafter_fits_target(drafter: Drafter, target) -> None:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
+from dspark_grpc.speculation.wire import AUTO, FUSED, TORCH
 from torch import Tensor, nn
 
 from .acceptance import draft_sparse_distribution
 from .transformer import Embedding
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
-KERNELS = ("auto", "fused", "torch")
+KERNELS = (AUTO, FUSED, TORCH)
 
 
 class MarkovHead(nn.Module):
@@ -285,20 +286,20 @@ def choose_kernel(requested: str, markov_kind: str | None, temperature: float, d
     'fused' is asked for by name. A 'fused' request that cannot run is refused. A request's kernel name is checked
     by the caller (`check_kernel`, in DraftEngine.propose)."""
     assert requested in KERNELS, requested
-    if requested == "torch":
-        return "torch"
+    if requested == TORCH:
+        return TORCH
     from .markov_triton import triton_runnable
 
     fusable = markov_kind in (None, "vanilla") and temperature == 0
     if requested == "auto":
-        return "fused" if fusable and torch.device(device).type == "cuda" and triton_runnable(device) else "torch"
+        return FUSED if fusable and torch.device(device).type == "cuda" and triton_runnable(device) else TORCH
     if not fusable:
         raise InvalidArgument("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
                               "kernel (or auto)")
     if not triton_runnable(device):
         raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
                                  "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
-    return "fused"
+    return FUSED
 
 
 def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, anchor: int,
@@ -314,7 +315,7 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
     assert hidden_pre.shape[0] == base_logits.shape[0], "one hidden row per drafted slot"
     assert 0 <= temperature < float("inf"), temperature  # a request's temperature is checked by DraftEngine.propose
     check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
-    if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == "fused":
+    if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == FUSED:
         from .markov_triton import markov_chain_fused
 
         return Chain(*markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t))

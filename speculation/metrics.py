@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dspark_grpc.protos.dspark.v1 import common_pb2
+from dspark_grpc.speculation.wire import AR
 
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -151,7 +152,7 @@ class SpecDecodeMetrics:
             self.mean_step_seconds.labels(kind="verify").observe(stats.verify_seconds / stats.steps)
         if n_drafts and stats.draft_seconds:
             self.mean_step_seconds.labels(kind="draft").observe(stats.draft_seconds / n_drafts)
-        self.steps.labels(kind="ar").inc(stats.ar_steps)
+        self.steps.labels(kind=AR).inc(stats.ar_steps)
         self.steps.labels(kind="speculative").inc(stats.speculative_steps)
         self.step_seconds.labels(kind="draft").inc(stats.draft_seconds)
         self.step_seconds.labels(kind="verify").inc(stats.verify_seconds)

@@ -36,10 +36,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from dspark_grpc.speculation import wire
 from dspark_grpc.speculation.cost_table import VerifyCosts
 
 AR, SPECULATE = 0, 1
-ARM_NAMES = {AR: "AR", SPECULATE: "speculation"}
+ARM_NAMES = {AR: "AR", SPECULATE: wire.SPECULATION}
 
 
 def load_bucket(load: int) -> int:
@@ -261,6 +262,6 @@ class ModeChooser:
             out = {}
             for n, b in sorted(self.buckets.items()):
                 ar, spec = b.rates[AR].per_second, b.rates[SPECULATE].per_second
-                out[n] = {"ar": ar, "speculation": spec, "measured_speedup": spec / ar if ar and spec else None,
+                out[n] = {wire.AR: ar, wire.SPECULATION: spec, "measured_speedup": spec / ar if ar and spec else None,
                           "predicted_speedup": self.predicted_speedup(n), "speculating": float(b.arm == SPECULATE)}
             return out

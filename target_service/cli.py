@@ -16,6 +16,7 @@ from dspark_grpc.runtime.compiled_step import COMPILE_MODES, missing_compiler
 from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
+from dspark_grpc.speculation.wire import ADAPTIVE, AR, SPECULATION
 from dspark_grpc.target_service.drafter_link import warn_if_unreachable
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
 from dspark_grpc.target_service.servicer import TargetServicer
@@ -55,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
                         "of those that answer, chosen by its id; when one goes away its sessions re-open on another "
                         "with their context), or dns:///NAME:PORT for every address NAME resolves to (a headless "
                         "Service; looked up again every 10 s)")
-    s.add_argument("--default-mode", choices=("ar", "speculation", "adaptive"), default="adaptive",
+    s.add_argument("--default-mode", choices=(AR, SPECULATION, ADAPTIVE), default=ADAPTIVE,
                    help="the decode mode of a session or Generate request that does not choose (adaptive = "
                         "speculate while it pays, when a drafter is configured)")
     s.add_argument("--http-port", type=port_number, default=None,
