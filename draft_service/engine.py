@@ -3,13 +3,12 @@
 A session holds the committed rows of its sequence that the target has sent: token ids (indexed for prompt
 lookup) and, with a DSpark drafter, the target's hidden-state captures at the drafter's `target_layer_ids`,
 projected into the drafter's context K/V. A proposal drafts after the anchor (the target's pending token, at
-position = context length). Proposers: "dspark" (the drafter's chain or DDTree), "ngram" (prompt lookup; needs
-no checkpoint) and "hybrid" (n-gram branches merged into the DSpark tree under one node budget; for a chain, the
-n-gram continuation where the context repeats itself, the DSpark chain elsewhere).
+position = context length) by one of the proposers (draft_service/proposers.py, one class each): the DSpark
+chain or DDTree, prompt lookup, hybrid. The engine checks the request and resolves its budget; the proposer drafts.
 
 Concurrent DSpark proposals of different sessions share one drafter pass: their block forwards go through a
-StepBatcher (one worker thread runs whatever is queued as one `Drafter.forward_blocks`); each session's chain or
-tree is then built in its own caller thread. A per-session lock keeps a session's appends, truncations and
+StepBatcher (one worker thread runs whatever is queued as one `Drafter.forward_blocks`, then each session's chain
+or tree, as its job's `then`). A per-session lock keeps a session's appends, truncations and
 proposals from interleaving.
 
 Start-up cost tables (`profile_costs`, logged at start-up): seconds of one proposal round in which `lanes` sessions
@@ -22,29 +21,32 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from dspark_grpc.draft_service.proposers import (
+    DraftSession,
+    DSparkDrafts,
+    Hybrid,
+    PassJob,
+    PromptLookup,
+    ProposalRequest,
+    ProposalResult,
+    Proposer,
+    drafter_pass,
+    dspark_proposal,
+)
 from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_checkpoint
-from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
-from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
+from dspark_grpc.runtime.drafter import BlockOutput, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.markov import Chain, check_kernel, choose_kernel, draft_chain, draft_chains
+from dspark_grpc.runtime.markov import Chain, check_kernel
 from dspark_grpc.runtime.ngram import (
-    SOURCE_BASE,
-    SOURCE_BOTH,
-    SOURCE_NGRAM,
-    SOURCE_ROOT,
     NgramIndex,
-    merge_trees,
-    ngram_tree,
 )
 from dspark_grpc.runtime.sampling import check_temperature
 from dspark_grpc.runtime.tokenizer import TextTokenizer
-from dspark_grpc.runtime.tree import tree_depths
 from dspark_grpc.serving.batching import BatchInfo, StepBatcher
 from dspark_grpc.serving.cost_profile import drafter_cost_tables
 from dspark_grpc.serving.service_metrics import DraftServiceMetrics
@@ -52,7 +54,7 @@ from dspark_grpc.serving.sessions import SessionStore
 from dspark_grpc.serving.threads import ThreadGovernor
 from dspark_grpc.speculation.cost_table import CostTable
 from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from dspark_grpc.speculation.wire import CHAIN, DSPARK, HYBRID, NGRAM, PROTOCOL_VERSION, TORCH, TREE
+from dspark_grpc.speculation.wire import CHAIN, DSPARK, HYBRID, NGRAM, PROTOCOL_VERSION, TREE
 
 # How long a round's drafter pass waits for a proposal of the round that has not queued yet (only a proposal thread
 # that never gets to run is waited for this long: one that needs no pass says so when it ends).
@@ -91,36 +93,6 @@ class DraftLimits:
     adaptive_threads: bool = True
 
 
-@dataclass
-class DraftSession:
-    context: DraftContext | None  # None without a DSpark drafter
-    index: NgramIndex
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one operation of the session at a time
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.index.tokens
-
-    @property
-    def length(self) -> int:
-        return len(self.index)
-
-
-@dataclass
-class ProposalResult:
-    tokens: list[int]  # node 0 = the anchor
-    parents: list[int]
-    logprobs: list[float]
-    confidences: torch.Tensor | None  # [depth] along the main chain
-    sources: list[str]  # per node: "" for the root, then "dspark", "ngram" or "hybrid" (both proposed it)
-    # A sampled chain: the sparse distribution node k was drawn from, in row k-1 ([n, k] target ids, log-probs).
-    draft_ids: torch.Tensor | None = None
-    draft_logprobs: torch.Tensor | None = None
-    batch_sessions: int = 0  # sessions that shared its drafter pass (0: no drafter pass)
-    proposer: str = ""  # the proposer that ran (the request's, or the default)
-    compute_seconds: float = 0.0
-
-
 class DraftEngine:
     def __init__(self, drafter: Drafter | None, vocab_size: int, target_fingerprint: tuple[str, str], name: str,
                  limits: DraftLimits):
@@ -130,11 +102,10 @@ class DraftEngine:
         self.target_fingerprint = target_fingerprint
         self.name = name
         self.limits = limits
-        self.proposers = PROPOSERS if drafter is not None else (NGRAM,)
         self.default_proposer = limits.default_proposer or (HYBRID if drafter is not None else NGRAM)
-        if self.default_proposer not in self.proposers:
+        if drafter is None and self.default_proposer != NGRAM:
             raise ValueError(f"proposer {self.default_proposer!r} needs a DSpark drafter (--drafter); "
-                             f"available: {self.proposers}")
+                             f"available: {(NGRAM,)}")
         self.sessions: SessionStore[DraftSession] = SessionStore(
             limits.max_sessions, limits.idle_ttl_s, max_per_principal=limits.max_sessions_per_principal,
             reserved=limits.reserved_sessions)
@@ -153,6 +124,11 @@ class DraftEngine:
             self._passes = StepBatcher(run_passes, rows=lambda job: B,
                                        max_rows=B * limits.max_sessions, name="drafter-pass",
                                        on_batch=self._observe_pass, session=lambda job: id(job.context))
+        lookup = PromptLookup(limits)
+        self.proposers: dict[str, Proposer] = {NGRAM: lookup}  # by name, in the order the service lists them
+        if drafter is not None:
+            dspark = DSparkDrafts(drafter, self._passes, limits)
+            self.proposers = {DSPARK: dspark, NGRAM: lookup, HYBRID: Hybrid(lookup, dspark, limits)}
 
     def close(self) -> None:
         if self._passes is not None:
@@ -331,9 +307,11 @@ class DraftEngine:
             pass
 
     def _propose(self, s: DraftSession, anchor_token: int, anchor_position: int, tree: bool, budget: int,
-                 kernel: str, temperature: float, generator: torch.Generator | None, proposer: str) -> ProposalResult:
+                 kernel: str, temperature: float, generator: torch.Generator | None, proposer: str
+                 ) -> ProposalResult:
         if proposer not in self.proposers:
-            raise InvalidArgument(f"proposer {proposer!r} is not available here; this drafter offers {self.proposers}")
+            raise InvalidArgument(f"proposer {proposer!r} is not available here; this drafter offers "
+                                  f"{tuple(self.proposers)}")
         if budget < 0:
             raise InvalidArgument(f"budget must be >= 0 (0 = the default), got {budget}")
         try:
@@ -349,48 +327,13 @@ class DraftEngine:
             raise FailedPrecondition("the context is empty: append the prompt's rows first")
         kernel = kernel or self.limits.default_kernel
         check_kernel(kernel)
-        if tree or proposer != DSPARK:
-            limit, default = self.limits.max_tree_budget, self.limits.default_tree_budget if tree else \
-                self.limits.ngram_chain
-        else:
-            limit = default = self.config.num_drafts
+        p = self.proposers[proposer]
+        default, limit = p.budgets(tree)
         budget = budget or default
         if not 1 <= budget <= limit:
             raise InvalidArgument(f"budget {budget} out of range: 1..{limit} for a {TREE if tree else CHAIN} "
                                   f"from the {proposer} proposer")
-        candidates = []
-        if proposer != DSPARK:
-            s.index.extend([anchor_token])  # the matched suffix ends at the anchor
-            try:
-                candidates = s.index.candidates(min_ngram=self.limits.ngram_min, max_tokens=budget)
-            finally:
-                s.index.truncate(s.length - 1)
-        if proposer == NGRAM:
-            t = ngram_tree(anchor_token, candidates[:1] if not tree else candidates, budget)
-            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *[NGRAM] * (len(t.tokens) - 1)])
-        if proposer == HYBRID and not tree and candidates and candidates[0].match_length >= \
-                self.limits.hybrid_min_match:
-            t = ngram_tree(anchor_token, candidates[:1], budget)
-            return ProposalResult(t.tokens, t.parents, t.logprobs, None, ["", *[NGRAM] * (len(t.tokens) - 1)])
-        dspark = self._dspark(s, anchor_token, tree, min(budget, self.config.num_drafts) if not tree else budget,
-                              kernel, temperature, generator)
-        if proposer == HYBRID and tree and candidates:
-            merged, sources = merge_trees(DraftTree(dspark.tokens, dspark.parents, dspark.logprobs,
-                                                    tree_depths(dspark.parents)), candidates, budget)
-            return ProposalResult(merged.tokens, merged.parents, merged.logprobs, dspark.confidences,
-                                  [_SOURCE_NAMES[x] for x in sources], batch_sessions=dspark.batch_sessions)
-        return dspark
-
-    def _dspark(self, s: DraftSession, anchor_token: int, tree: bool, budget: int, kernel: str, temperature: float,
-                generator: torch.Generator | None) -> ProposalResult:
-        d = self.drafter
-        kernel = choose_kernel(kernel, None if d.markov is None else d.markov.kind, temperature, d.device)
-        assert self._passes is not None and s.context is not None
-        job = PassJob(s.context, anchor_token, greedy_chain=kernel == TORCH and temperature == 0)
-        result, info = self._passes.submit(job, then=lambda out: dspark_proposal(
-            d, out[0], anchor_token, tree, budget, kernel, temperature, generator, self.limits, chain=out[1]))
-        result.batch_sessions = info.jobs
-        return result
+        return p.propose(ProposalRequest(s, anchor_token, tree, budget, kernel, temperature, generator))
 
     # -- cost tables --------------------------------------------------------------------------------
 
@@ -416,60 +359,10 @@ class DraftEngine:
         return self.propose_costs
 
 
-@dataclass(frozen=True)
-class PassJob:
-    context: DraftContext
-    anchor_token: int
-    greedy_chain: bool  # the pass also drafts its greedy chain (torch kernel), batched with the pass's others
-
-
-def drafter_pass(d: Drafter, jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
-    """One drafter pass for the sessions of `jobs`, then the greedy chains of those that want one, as one batched
-    chain (runtime/markov.py `draft_chains`) instead of one per session."""
-    outs = d.forward_blocks([(job.context, job.anchor_token) for job in jobs])
-    chains: list[Chain | None] = [None] * len(jobs)
-    greedy = [i for i, job in enumerate(jobs) if job.greedy_chain]
-    if greedy:
-        stacked = [torch.stack([getattr(outs[i], f) for i in greedy])
-                   for f in ("base_logits", "hidden_pre_norm", "hidden_post_norm")]
-        anchors = torch.tensor([jobs[i].anchor_token for i in greedy], device=d.device)
-        for i, chain in zip(greedy, draft_chains(*stacked, anchors, d.markov, d.confidence, d.d2t), strict=True):
-            chains[i] = chain
-    return list(zip(outs, chains, strict=True))
-
-
-def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool, budget: int, kernel: str,
-                    temperature: float, generator: torch.Generator | None, limits: DraftLimits,
-                    chain: Chain | None = None) -> ProposalResult:
-    """One session's DSpark chain (the first `budget` slots) or DDTree (`budget` nodes) from its block output;
-    `chain`: its whole greedy chain, drafted already (`drafter_pass`)."""
-    if tree:
-        t = build_ddtree(out.base_logits, anchor_token, budget, limits.tree_top_k, markov=d.markov,
-                         hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
-        chain = chain or draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
-                                     d.markov, d.confidence, d.d2t, kernel=kernel)
-        return ProposalResult(t.tokens, t.parents, t.logprobs, chain.confidences,
-                              ["", *[DSPARK] * (len(t.tokens) - 1)])
-    if chain is not None:  # a greedy chain's first slots are the chain of fewer slots
-        chain = Chain(chain.tokens[:budget], chain.logprobs[:budget],
-                      None if chain.confidences is None else chain.confidences[:budget])
-    else:
-        chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
-                            anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
-                            generator=generator, sample_top_k=limits.sample_top_k)
-    tokens = [anchor_token, *chain.tokens]
-    return ProposalResult(tokens, list(range(-1, len(tokens) - 1)), [0.0, *chain.logprobs.tolist()],
-                          chain.confidences, ["", *[DSPARK] * chain.logprobs.numel()], chain.draft_ids,
-                          chain.draft_logprobs)
-
-
 def drafter_fingerprint(drafter: Drafter) -> str:
     """sha256 of the drafter's configuration (its shape; what its step cost depends on)."""
     canonical = json.dumps(dataclasses.asdict(drafter.config), sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
-
-
-_SOURCE_NAMES = {SOURCE_ROOT: "", SOURCE_BASE: DSPARK, SOURCE_NGRAM: NGRAM, SOURCE_BOTH: HYBRID}
 
 
 def check_drafter_fits_target(drafter: Drafter, target) -> None:
