@@ -446,7 +446,7 @@ def build_sequences(
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     encoded = [(p, ids) for p, ids in encoded if 0 < len(ids) <= max_prompt_tokens]
     sequences: list[TargetSequence] = []
-    t0 = time.perf_counter()
+    t0, made, made_tokens = time.perf_counter(), 0, 0  # generated here (not loaded from the cache): the rate
     for index, begin in enumerate(range(0, len(encoded), shard_size)):
         shard = encoded[begin: begin + shard_size]
         ids = [p.id for p, _ in shard]
@@ -459,12 +459,16 @@ def build_sequences(
                                     [settings.prompt_seed(i) for i in ids], ids)
             if cache is not None:
                 cache.save(index, ids, loaded, role)
+            made, made_tokens = made + len(shard), made_tokens + sum(s.generated.numel() for s in loaded)
         sequences.extend(loaded)
         if progress is not None:
             done = min(begin + shard_size, len(encoded))
             tokens = sum(s.generated.numel() for s in sequences)
+            elapsed = time.perf_counter() - t0
+            rate = f", {made_tokens / elapsed:.0f} tokens/s, eta {elapsed / made * (len(encoded) - done):.0f} s" \
+                if made else " (from the cache)"
             progress(f"{'held-out' if heldout else 'train'} sequences {done}/{len(encoded)}, {tokens} generated "
-                     f"tokens ({time.perf_counter() - t0:.0f} s)")
+                     f"tokens ({elapsed:.0f} s{rate})")
     return sequences
 
 
