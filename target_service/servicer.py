@@ -99,6 +99,23 @@ def committed_fields(s_layers: tuple[int, ...], c: Committed) -> dict:
     return dict(capture=capture_to_proto(s_layers, c.start, c.captures), token_texts=c.token_texts, length=c.length)
 
 
+@dataclasses.dataclass
+class StepDraft:
+    """What a step verifies: its tree (one node for an AR step), each node's proposer, the accepted length the
+    round's plan predicted and the depth it planned, and a sampled chain's draft distributions."""
+
+    tree: common_pb2.TokenTree
+    proposers: list[int]
+    predicted: float | None = None
+    reply_depth: int | None = None
+    draft_ids: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+
+    @staticmethod
+    def ar(pending: int) -> StepDraft:
+        return StepDraft(common_pb2.TokenTree(tokens=[pending], parents=[-1]), [0])
+
+
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
                  default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
@@ -355,104 +372,125 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _run_step(self, engine: TargetEngine, sid: str, tokens_left: int,
                   drafting: SessionDrafting | None) -> target_pb2.Stepped:
+        """plan -> draft -> verify and commit -> report (and the next step's draft, ahead)."""
         pending, length, max_length = engine.step_state(sid)
         room = max_length - length if not tokens_left else min(max_length - length, tokens_left)
         report = target_pb2.StepReport()
         failed_before = drafting is not None and not drafting.active
-        planned = None
-        if drafting is not None:
-            planned, drafting.next = drafting.next, None
-            if planned is None:  # (room < 2: nothing can be drafted, this step is AR; nothing is drafted ahead for it)
-                planned = NextStep(drafting.plan(self.chooser.load(len(engine.sessions), time.perf_counter()))
-                                   if room >= 2 else AR)
+        planned = self._plan(engine, drafting, room) if drafting is not None else None
         arm = planned.arm if planned is not None else AR
-        t0 = time.perf_counter()
-        tree = common_pb2.TokenTree(tokens=[pending], parents=[-1])
-        proposers: list[int] = [0]
-        predicted = reply_depth = draft_ids = draft_logprobs = None  # an AR step's tree has no draft distributions
         try:
-            if arm != AR and drafting.active:
-                if planned.from_chain is not None:  # the rest of the last chain: no round
-                    report.draft_ready = report.draft_from_chain = True
-                    proposal = planned.from_chain
-                    # other sessions' round under way: verify with them, not alone beside their drafter pass
-                    self.session_rounds[sid].wait_for_round(NEXT_ROUND_WAIT_S)
-                    reply_depth = self._chain_depths([proposal])[0]
-                else:
-                    if planned.reply is not None:  # drafted ahead
-                        report.draft_ready = planned.reply.done()
-                        ops, reply = planned.ops, planned.reply.result()
-                    else:
-                        ops = drafting.round_ops(pending, length, arm)
-                        reply = self.session_rounds[sid].submit(RoundJob(drafting, ops))
-                    proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
-                    if reply.replies is None:
-                        self._drafter_failed(drafting, reply.error)
-                    reply_depth = reply.depth
-                    report.draft_seconds = time.perf_counter() - t0
-                    if proposal is not None and planned.reply is None:  # asked for within this wait
-                        report.draft_compute_seconds = proposal.compute_seconds
-                if proposal is not None:
-                    fitted = drafting.fit(proposal, room, reply_depth)
-                    try:
-                        draft_ids, draft_logprobs = _check_tree_tensors(fitted.tree)
-                    except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
-                        drafting.fail(f"the drafter's proposal is malformed ({e.message})")
-                    else:
-                        tree, proposers, predicted = fitted.tree, fitted.proposers, fitted.predicted_accepted
-                        report.draft_batch_sessions = proposal.batch_sessions
-                        report.truncated = fitted.truncated
+            draft = self._draft(sid, drafting, planned, pending, length, room, report) if arm != AR and \
+                drafting.active else StepDraft.ar(pending)
             t1 = time.perf_counter()
-            out = engine.verify(sid, list(tree.tokens), list(tree.parents), True, False, draft_ids, draft_logprobs)
+            out = engine.verify(sid, list(draft.tree.tokens), list(draft.tree.parents), True, False, draft.draft_ids,
+                                draft.draft_logprobs)
         finally:
             engine.unexpect_step(sid)
         t2 = time.perf_counter()
         report.verify_seconds = t2 - t1
         committed = out.committed
         assert committed is not None
-        path_tokens = [tree.tokens[n] for n in out.path]
-        report.draft_depth = tree_depth(tree.parents)
-        report.tree_nodes = len(tree.tokens)
-        report.accepted_proposers.extend(proposers[n] if n < len(proposers) else 0 for n in out.path[1:])
+        path_tokens = [draft.tree.tokens[n] for n in out.path]
+        report.draft_depth = tree_depth(draft.tree.parents)
+        report.tree_nodes = len(draft.tree.tokens)
+        report.accepted_proposers.extend(draft.proposers[n] if n < len(draft.proposers) else 0 for n in out.path[1:])
         report.batch_sessions, report.batch_rows = out.batch.jobs, out.batch.rows
         load = self.chooser.load(len(engine.sessions), t2)
         speculated = arm != AR and (report.draft_seconds > 0 or report.draft_depth > 0)
-        arm_now = SPECULATE if speculated else AR
-        started, arm_before, epoch_before = self.step_ended.get(sid, (None, None, 0))
-        if started is not None:
-            epoch, running = engine.prefill_state()
-            self.step_ended[sid] = (t2, arm_now, epoch)
-            # a session's first step in another arm is a switch, not a sample; a step that waited for another
-            # session's prompt measures the prompt, not the arm (both arms wait for them alike). A sample goes to
-            # the sessions live now, not to `load` (the most in the last second, which decides): the tail of a run,
-            # fewer sessions and faster steps, would otherwise raise the rate of whichever arm ran it at the load
-            # before, and fool the next comparison there.
-            if arm_before in (None, arm_now) and epoch == epoch_before and not running:
-                self.chooser.observe(arm_now, len(engine.sessions), len(out.path), t2 - started, len(out.path) - 1,
-                                     len(tree.tokens), report.draft_seconds)
+        self._observe_arm(engine, sid, SPECULATE if speculated else AR, t2, len(out.path), len(draft.tree.tokens),
+                          report.draft_seconds)
         if drafting is not None:
             if committed.captures is not None and engine.sessions.get(sid).capture_layers:
                 drafting.append_rows(committed.start, path_tokens, committed.captures)  # encoded with the next round
             else:
                 drafting.append(committed.start, path_tokens, None)
             report.planned_ar = arm == AR and drafting.chooser is not None and drafting.active
-            if predicted is not None and reply_depth is not None:
-                self.round_calibration.observe(predicted, len(out.path) - 1)
+            if draft.predicted is not None and draft.reply_depth is not None:
+                self.round_calibration.observe(draft.predicted, len(out.path) - 1)
             more = committed.length + 1 < max_length and (not tokens_left or len(out.path) + 1 < tokens_left)
             from_chain = drafting.chain_ahead(len(out.path) - 1, out.next_token)  # (the rest is for this step only)
             if self.draft_ahead and drafting.active and more:
                 drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load, from_chain)
-            reasons = [drafting.failure] if drafting.failure and not failed_before else []
-            reasons.extend(drafting.moved)
-            drafting.moved.clear()
-            if switches := drafting.new_switches():
-                reasons.append(switches)
-            report.fallback_reason = "; ".join(reasons)
+            report.fallback_reason = self._fallback_reasons(drafting, failed_before)
             if self.metrics is not None:
                 self.metrics.observe_step(report, planned is not None and (planned.reply is not None
                                                                            or planned.from_chain is not None))
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
+
+    def _plan(self, engine: TargetEngine, drafting: SessionDrafting, room: int) -> NextStep:
+        """The step planned (and maybe drafted) when the one before committed, else planned now; with room < 2
+        nothing can be drafted: AR (and nothing was drafted ahead for it)."""
+        planned, drafting.next = drafting.next, None
+        if planned is None:
+            planned = NextStep(drafting.plan(self.chooser.load(len(engine.sessions), time.perf_counter()))
+                               if room >= 2 else AR)
+        return planned
+
+    def _draft(self, sid: str, drafting: SessionDrafting, planned: NextStep, pending: int, length: int, room: int,
+               report: target_pb2.StepReport) -> StepDraft:
+        """This step's proposal, fitted to its room: the rest of the last chain, the round drafted ahead, or a round
+        asked for now. A round that fails or a malformed proposal leaves the step AR (the drafter's fault costs
+        speed only)."""
+        t0 = time.perf_counter()
+        if planned.from_chain is not None:  # the rest of the last chain: no round
+            report.draft_ready = report.draft_from_chain = True
+            proposal = planned.from_chain
+            # other sessions' round under way: verify with them, not alone beside their drafter pass
+            self.session_rounds[sid].wait_for_round(NEXT_ROUND_WAIT_S)
+            reply_depth = self._chain_depths([proposal])[0]
+        else:
+            if planned.reply is not None:  # drafted ahead
+                report.draft_ready = planned.reply.done()
+                ops, reply = planned.ops, planned.reply.result()
+            else:
+                ops = drafting.round_ops(pending, length, planned.arm)
+                reply = self.session_rounds[sid].submit(RoundJob(drafting, ops))
+            proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
+            if reply.replies is None:
+                self._drafter_failed(drafting, reply.error)
+            reply_depth = reply.depth
+            report.draft_seconds = time.perf_counter() - t0
+            if proposal is not None and planned.reply is None:  # asked for within this wait
+                report.draft_compute_seconds = proposal.compute_seconds
+        if proposal is None:
+            return StepDraft.ar(pending)
+        fitted = drafting.fit(proposal, room, reply_depth)
+        try:
+            draft_ids, draft_logprobs = _check_tree_tensors(fitted.tree)
+        except InvalidArgument as e:  # the drafter's fault, not the client's: this step goes AR
+            drafting.fail(f"the drafter's proposal is malformed ({e.message})")
+            return StepDraft.ar(pending)
+        report.draft_batch_sessions = proposal.batch_sessions
+        report.truncated = fitted.truncated
+        return StepDraft(fitted.tree, fitted.proposers, fitted.predicted_accepted, reply_depth, draft_ids,
+                         draft_logprobs)
+
+    def _observe_arm(self, engine: TargetEngine, sid: str, arm: int, ended: float, committed: int, rows: int,
+                     draft_seconds: float) -> None:
+        """The step's sample for the mode chooser. A session's first step in another arm is a switch, not a sample;
+        a step that waited for another session's prompt measures the prompt, not the arm (both arms wait for them
+        alike). A sample goes to the sessions live now, not to the chooser's `load` (the most in the last second,
+        which decides): the tail of a run, fewer sessions and faster steps, would otherwise raise the rate of
+        whichever arm ran it at the load before, and fool the next comparison there."""
+        started, arm_before, epoch_before = self.step_ended.get(sid, (None, None, 0))
+        if started is None:
+            return
+        epoch, running = engine.prefill_state()
+        self.step_ended[sid] = (ended, arm, epoch)
+        if arm_before in (None, arm) and epoch == epoch_before and not running:
+            self.chooser.observe(arm, len(engine.sessions), committed, ended - started, committed - 1, rows,
+                                 draft_seconds)
+
+    @staticmethod
+    def _fallback_reasons(drafting: SessionDrafting, failed_before: bool) -> str:
+        reasons = [drafting.failure] if drafting.failure and not failed_before else []
+        reasons.extend(drafting.moved)
+        drafting.moved.clear()
+        if switches := drafting.new_switches():
+            reasons.append(switches)
+        return "; ".join(reasons)
 
     def _drafter_failed(self, drafting: SessionDrafting, why: str) -> None:
         """The session's round did not come back (its drafter went away, stalled, or lost the stream): it re-opens on
