@@ -226,8 +226,9 @@ def _read_gguf(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
 # -- saving ----------------------------------------------------------------------------------------------------
 
 
-def save_drafter(drafter: Drafter, directory: PathLike, layout: str) -> Path:
-    """config.json + model.safetensors in the z-lab, DeepSpec or speculators layout (tensors in their dtype).
+def save_drafter(drafter: Drafter, directory: PathLike, layout: str, dtype: torch.dtype | None = None) -> Path:
+    """config.json + model.safetensors in the z-lab, DeepSpec or speculators layout (floating tensors in `dtype`,
+    else in their own).
 
     z-lab keeps no embed/lm_head and speculators no embed (nor lm_head over the full vocabulary): loading takes
     them from the target, so save those layouts only for a drafter whose tables are its target's.
@@ -255,6 +256,8 @@ def save_drafter(drafter: Drafter, directory: PathLike, layout: str) -> Path:
     seen: set[int] = set()
     for name in names:
         t = state[name].detach().cpu().contiguous()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
         if t.data_ptr() in seen:
             t = t.clone()  # safetensors refuses shared storage (tied tables)
         seen.add(t.data_ptr())

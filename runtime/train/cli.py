@@ -115,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-anchors", type=int, default=16, help="per held-out sequence")
     t.add_argument("--save-every", type=int, default=0)
     t.add_argument("--no-calibrate", action="store_true")
+    t.add_argument("--export", type=Path, default=None, metavar="DIR",
+                   help="also write the final drafter here with bf16 tensors (what the draft service ships)")
     return p
 
 
@@ -243,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{cal['report_chains']} held-out chains before {[round(x, 4) for x in cal['ece_before']]} after "
             f"{[round(x, 4) for x in cal['ece_after']]}")
         save_drafter(drafter, out / DRAFTER_DIR, layout="speculators")  # the temperatures go to config.json
+    if args.export is not None:
+        save_drafter(drafter, args.export, layout="speculators", dtype=torch.bfloat16)
+        log(f"exported the drafter (bf16) to {args.export}")
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     log(f"wrote {out / DRAFTER_DIR} and {out / 'report.json'} ({time.perf_counter() - t0:.0f} s)")
     return 0

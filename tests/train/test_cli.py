@@ -39,7 +39,8 @@ def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
             "--cache-dir", str(tmp_path / "cache"), "--train-prompts", "24", "--heldout-prompts", "8",
             "--heldout-fraction", "0.3", "--code-prompts", "0", "--max-new-tokens", "12", "--top-k", "8",
             "--layers", "1", "--draft-vocab", "64", "--markov-rank", "8", "--steps", "4", "--batch", "4",
-            "--anchors", "4", "--eval-every", "2", "--eval-anchors", "4", "--threads", "1", "--compile", "off"]
+            "--anchors", "4", "--eval-every", "2", "--eval-anchors", "4", "--threads", "1", "--compile", "off",
+            "--export", str(tmp_path / "export")]
     assert cli.main(args) == 0
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
@@ -50,6 +51,11 @@ def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
     c = drafter.config
     assert (c.draft_vocab_size, c.num_layers, c.block_size, c.mask_token_id) == (64, 1, 4, VOCAB - 1)
     assert c.confidence_temperatures == tuple(cal["temperatures"])
+    exported = load_drafter(tmp_path / "export", target_path=target)  # --export: the same drafter in bf16
+    assert exported.config == c
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), exported.state_dict().items(), strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16)) if a.is_floating_point() else \
+            torch.equal(a, b), name
     shards = list((tmp_path / "cache").glob("*/shard-*.pt"))
     assert shards
     # resuming a finished run trains no further step and reuses every cached shard
