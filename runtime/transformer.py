@@ -192,10 +192,15 @@ class Block(nn.Module):
 
     def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          segments: Sequence[Segment]) -> torch.Tensor:
+        return self.mlp_half(self.mixer_half(x, cos, sin, segments))
+
+    def mixer_half(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: Sequence[Segment]) -> torch.Tensor:
         if self.linear_attention is not None:
-            h = x + self.linear_attention.forward_segments(self.attention_norm(x), segments)
-        else:
-            h = x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
+            return x + self.linear_attention.forward_segments(self.attention_norm(x), segments)
+        return x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
+
+    def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -318,9 +323,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward_by_layers(self, batch: Sequence[SequenceInput]) -> Generator[int, None, list[ForwardOutput]]:
-        """`forward_batch` run eagerly a layer at a time: yields each layer's index once it ran, returns the outputs.
-        Run in slices with other forwards between them (under `step_lock`), it computes exactly what one call does:
-        the same ops on the same tensors (a layer's cache rows are looked up when it runs: the store may grow)."""
+        """`forward_batch` run eagerly half a layer at a time: yields a layer's index after its token mixer and again
+        after its feed-forward, returns the outputs. Run in slices with other forwards between them (under
+        `step_lock`), it computes exactly what one call does: the same ops on the same tensors (a layer's cache rows
+        are looked up when it runs: the store may grow)."""
         if len({id(b.cache) for b in batch}) != len(batch):
             raise ValueError("each sequence of a batch needs its own cache")
         for b in batch:
@@ -369,7 +375,9 @@ class Transformer(nn.Module):
             if trees is not None:
                 for seg, parents in zip(segments, trees, strict=True):
                     seg.parents = parents
-            x = block.forward_segments(x, cos, sin, segments)
+            x = block.mixer_half(x, cos, sin, segments)
+            yield i
+            x = block.mlp_half(x)
             if i in wanted:
                 captured[i] = x
             yield i

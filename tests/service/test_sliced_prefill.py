@@ -1,6 +1,6 @@
 """A prompt chunk runs a slice of its layers at a time while other sessions' steps wait (target_service/engine.py
 `_forward_in_slices`): however it is sliced, the prompt computes the same numbers. Forced here by an explicit gate (a
-queue that always has a step waiting, a slice budget of 0 s: one layer per slice), not by timing."""
+queue that always has a step waiting, a slice budget of 0 s: half a layer per slice), not by timing."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def test_a_prompt_sliced_layer_by_layer_computes_what_it_computes_in_one_go(fast
     monkeypatch.setattr(engine, "slice_seconds", lambda: 0.0)
     sliced = prefill_once(engine, ids, layers)
     chunks = -(-len(ids) // 128)
-    assert engine.prefill_slices - before == chunks * engine.model.config.num_layers  # every layer a slice of its own
+    # every half layer (token mixer, feed-forward) a slice of its own
+    assert engine.prefill_slices - before == chunks * 2 * engine.model.config.num_layers
     assert sliced[0] == whole[0]
     assert torch.equal(sliced[1], whole[1])
     for a, b in zip(sliced[2], whole[2], strict=True):
