@@ -41,7 +41,7 @@ from dspark_grpc.draft_service.proposers import (
 from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_checkpoint
 from dspark_grpc.runtime.drafter import BlockOutput, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.markov import Chain, check_kernel
+from dspark_grpc.runtime.markov import Chain, KernelChoiceError, KernelUnavailable, check_kernel
 from dspark_grpc.runtime.ngram import (
     NgramIndex,
 )
@@ -274,6 +274,10 @@ class DraftEngine:
             with s.lock:
                 out = self._propose(s, anchor_token, anchor_position, tree, budget, kernel, temperature, generator,
                                     proposer)
+        except KernelChoiceError as e:  # the model math's refusals, as the request's status
+            raise InvalidArgument(str(e)) from None
+        except KernelUnavailable as e:
+            raise FailedPrecondition(str(e)) from None
         finally:
             if self._passes is not None:  # a proposal that needed no drafter pass: its round does not wait for it
                 self._passes.unexpect(id(s.context))

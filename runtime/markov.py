@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
 from dspark_grpc.speculation.wire import AUTO, FUSED, TORCH
 from torch import Tensor, nn
 
@@ -275,9 +274,17 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
     return ChainSteps(draft_tokens, tokens, lp, emb, z_all)
 
 
+class KernelChoiceError(ValueError):
+    """A kernel the request cannot have (an unknown name, or the fused kernel for what it does not run)."""
+
+
+class KernelUnavailable(RuntimeError):
+    """The fused kernel cannot run on this machine."""
+
+
 def check_kernel(name: str) -> None:
     if name not in KERNELS:
-        raise InvalidArgument(f"kernel must be one of {KERNELS}, got {name!r}")
+        raise KernelChoiceError(f"kernel must be one of {KERNELS}, got {name!r}")
 
 
 def choose_kernel(requested: str, markov_kind: str | None, temperature: float, device: torch.device | str) -> str:
@@ -294,10 +301,10 @@ def choose_kernel(requested: str, markov_kind: str | None, temperature: float, d
     if requested == "auto":
         return FUSED if fusable and torch.device(device).type == "cuda" and triton_runnable(device) else TORCH
     if not fusable:
-        raise InvalidArgument("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
+        raise KernelChoiceError("the fused kernel runs the greedy chain of a vanilla Markov head; ask for the torch "
                               "kernel (or auto)")
     if not triton_runnable(device):
-        raise FailedPrecondition("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
+        raise KernelUnavailable("the fused Triton kernel cannot run here (no CUDA device, and the service was not "
                                  "started with TRITON_INTERPRET=1); ask for the torch kernel (or auto)")
     return FUSED
 

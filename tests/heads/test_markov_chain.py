@@ -6,8 +6,15 @@ import copy
 
 import pytest
 import torch
-from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, choose_kernel, draft_chain, markov_step
-from dspark_grpc.speculation.errors import FailedPrecondition, InvalidArgument
+from dspark_grpc.runtime.markov import (
+    ConfidenceHead,
+    KernelChoiceError,
+    KernelUnavailable,
+    MarkovHead,
+    choose_kernel,
+    draft_chain,
+    markov_step,
+)
 
 from .reference import reference_bias, reference_chain, reference_step
 
@@ -196,12 +203,12 @@ def test_kernel_choice(monkeypatch):
     with pytest.raises(AssertionError):  # a request's kernel name is checked by DraftEngine.propose
         choose_kernel("cuda", "vanilla", 0.0, "cpu")
     for kind, temperature in (("gated", 0.0), ("rnn", 0.0), ("vanilla", 0.5)):
-        with pytest.raises(InvalidArgument, match="greedy chain of a vanilla Markov head"):
+        with pytest.raises(KernelChoiceError, match="greedy chain of a vanilla Markov head"):
             choose_kernel("fused", kind, temperature, "cpu")
     u, h_pre, h_post = make_inputs()
-    with pytest.raises(InvalidArgument, match="vanilla Markov head"):
+    with pytest.raises(KernelChoiceError, match="vanilla Markov head"):
         draft_chain(u, h_pre, h_post, 1, gated, conf, kernel="fused")
-    with pytest.raises(InvalidArgument, match="greedy chain"):
+    with pytest.raises(KernelChoiceError, match="greedy chain"):
         draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused", temperature=0.5)
     assert_same_chain(draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused"),
                       draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="torch"))
@@ -209,7 +216,7 @@ def test_kernel_choice(monkeypatch):
 
     monkeypatch.setattr(markov_triton, "_INTERPRET", False)  # as if triton had been imported without it
     assert choose_kernel("auto", "vanilla", 0.0, "cpu") == "torch"
-    with pytest.raises(FailedPrecondition, match="cannot run"):
+    with pytest.raises(KernelUnavailable, match="cannot run"):
         draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused")
     with pytest.raises(RuntimeError, match="cannot run"):  # the kernel itself, called without the checks
         fused(u, h_pre, h_post, 1, vanilla, conf)
