@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "
         + (f"resuming at step {state['step']}" if state else "from the warm start"))
     t2d = vocab.t2d
+    if state:  # the baseline is the resumed drafter's, not the warm start's
+        with torch.no_grad():
+            for name, p in trainable_parameters(drafter):
+                p.copy_(state["trainable"][name])
     baseline, _ = evaluate(drafter, heldout_seqs, settings, t2d, int(state["step"]) if state else 0)
     log(baseline.line())
     history = train(drafter, train_seqs, heldout_seqs, t2d, settings, out_dir=out, resume=args.resume, log=log)

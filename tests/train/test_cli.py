@@ -61,7 +61,10 @@ def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
     # resuming a finished run trains no further step and reuses every cached shard
     stamps = {p: p.stat().st_mtime_ns for p in shards}
     assert cli.main([*args, "--resume"]) == 0
-    assert [e["step"] for e in json.loads((out / "report.json").read_text())["eval"]] == [4]
+    resumed_report = json.loads((out / "report.json").read_text())
+    assert [e["step"] for e in resumed_report["eval"]] == [4]
+    # the resumed drafter's estimate, not the warm start's
+    assert resumed_report["eval"][0]["acceptance_length"] == report["eval"][-1]["acceptance_length"]
     assert {p: p.stat().st_mtime_ns for p in shards} == stamps
     resumed = load_drafter(out / "drafter", target_path=target)
     for (name, a), (_, b) in zip(drafter.state_dict().items(), resumed.state_dict().items(), strict=True):
