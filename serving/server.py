@@ -284,8 +284,6 @@ async def serve(*, service_name: str, register: Callable[[grpc.aio.Server], None
     ones get `grace_s` to finish; the server stops when the last one ends, or at the grace period's end.
     """
     security = security or ServerSecurity()
-    if (interval := os.environ.get("DSPARK_SWITCH_INTERVAL_S")) is not None:
-        sys.setswitchinterval(float(interval))  # how long a thread holds the GIL while another waits for it
     lifecycle = Lifecycle()
     server = grpc.aio.server(options=server_options(max_message_bytes),
                              interceptors=[Guard(security.tokens), lifecycle])
