@@ -42,9 +42,7 @@ from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_
 from dspark_grpc.runtime.drafter import BlockOutput, Drafter
 from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.markov import Chain, KernelChoiceError, KernelUnavailable, check_kernel
-from dspark_grpc.runtime.ngram import (
-    NgramIndex,
-)
+from dspark_grpc.runtime.ngram import NgramIndex
 from dspark_grpc.runtime.sampling import check_temperature
 from dspark_grpc.runtime.tokenizer import TextTokenizer
 from dspark_grpc.serving.batching import BatchInfo, StepBatcher
