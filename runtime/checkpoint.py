@@ -43,7 +43,7 @@ import torch
 from .compiled_step import COMPILE_MODES, CompiledStep
 from .config import ModelConfig, config_from_gguf, config_from_hf
 from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
-from .quant import QuantBlocks, block_types, blocks_of, int4_available
+from .quant import BLOCK_TYPES, QuantBlocks, block_types, blocks_of, int4_available
 from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
 from .transformer import Transformer
 
@@ -146,10 +146,11 @@ def default_model_path() -> Path:
     return path
 
 
-def auto_precision(path: str | os.PathLike[str]) -> tuple[str, str]:
+def auto_precision(path: str | os.PathLike[str], on_cpu: bool = True) -> tuple[str, str]:
     """The precision a model runs in by default, and why: "fast" for a llama/qwen2/qwen3 GGUF whose matrices are
     stored as blocks the fast precision multiplies (a quantized file, run as llama.cpp runs it), "exact" otherwise
-    (an HF directory, a float GGUF, qwen35, a torch without the int4 kernel)."""
+    (an HF directory, a float GGUF, qwen35, a torch without the int4 kernel). Off the CPU (`on_cpu` False) the
+    blocks are dequantized to bf16 (runtime/device.py): neither the CPU kernels nor torch's int4 one are asked for."""
     p = Path(path)
     if not (p.is_file() and p.suffix == ".gguf"):
         return "exact", "not a GGUF file"
@@ -159,9 +160,9 @@ def auto_precision(path: str | os.PathLike[str]) -> tuple[str, str]:
     architecture = config_from_gguf(metadata, has_output_weight="output.weight" in names).architecture
     if architecture == "qwen35":
         return "exact", "precision fast covers llama/qwen2/qwen3 models"
-    if not int4_available():
+    if on_cpu and not int4_available():
         return "exact", "this torch has no CPU int4 matmul"
-    types = set(block_types())
+    types = set(block_types() if on_cpu else BLOCK_TYPES)
     quantized = sum(len(t.shape) == 2 and t.tensor_type in types for t in reader.tensors)
     if not quantized:
         return "exact", "no matrix of the file is stored as Q4_0/Q4_1/Q8_0 blocks"

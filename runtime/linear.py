@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, fixed_rows
 from .quant import GROUP, BlockWeight, Int4Weight, QuantBlocks, quantize_q8_0, quantized_weight
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -47,6 +47,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through `packed` (from pack_weight(weight)) when given and no grad is needed."""
+    if fixed_rows.applies(x):
+        return fixed_rows.by_fixed_rows(lambda rows: F.linear(rows, weight, bias), x)
     needs_grad = torch.is_grad_enabled() and x.requires_grad
     if packed is None or x.dtype != weight.dtype or x.device.type != "cpu" or needs_grad:
         return F.linear(x, weight, bias)
@@ -133,15 +135,13 @@ def quantize_linears(model: nn.Module) -> int:
     (`quantize_q8_0`), so that it runs on runtime/gguf_matmul.cpp (int8 weights and activations; another precision,
     for a model whose rounding decides no output token: a drafter). Nothing without the CPU kernels. Call before
     `pack_linears`; returns how many Linears got blocks."""
-    if not cpu_kernels.available():
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is None and not m.weight.requires_grad
+               and m.in_features % GROUP == 0 and m.weight.device.type == "cpu"]
+    if not linears or not cpu_kernels.available():  # off the CPU nothing is built
         return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.blocks is None and not module.weight.requires_grad \
-                and module.in_features % GROUP == 0 and module.weight.device.type == "cpu":
-            module.blocks, module.packed = quantize_q8_0(module.weight), None
-            count += 1
-    return count
+    for module in linears:
+        module.blocks, module.packed = quantize_q8_0(module.weight), None
+    return len(linears)
 
 
 def pack_linears(model: nn.Module) -> int:

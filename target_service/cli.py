@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # runtime/cpu_kernels.py's build too
         # inductor's own cache beside the saved steps (a restart elsewhere needs both); read only when compiling
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
-        precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet)
+        precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet,
+                                                          on_cpu=device.type == "cpu")
         engine = in_thread_that_ends(lambda: TargetEngine.load(
             path, dtype=getattr(torch, args.dtype), limits=limits, progress=not args.quiet, precision=precision,
             compile=compile_mode, compile_cache=compile_cache, device=device))
@@ -176,27 +177,29 @@ def http_front(servicer: TargetServicer, args: argparse.Namespace, security: Ser
     return HttpFront(servicer, args.host, args.http_port, security.tokens, context)
 
 
-def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: bool) -> tuple[str, str]:
-    """--precision and --compile with "auto" resolved (said on stdout)."""
+def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: bool,
+                           on_cpu: bool = True) -> tuple[str, str]:
+    """--precision and --compile with "auto" resolved (said on stdout); off the CPU nothing CPU-only is built or
+    checked (the C++ kernels, the compiled step: runtime/device.py says what runs instead)."""
     from dspark_grpc.runtime import cpu_kernels
     from dspark_grpc.runtime.checkpoint import auto_precision
 
     said = []
     if precision == "auto":
-        precision, why = auto_precision(path)
+        precision, why = auto_precision(path, on_cpu)
         said.append(f"precision {precision} (auto: {why})")
     if compile_mode == "auto":
         from_env = os.environ.get("DSPARK_COMPILE")
         if from_env is not None and from_env not in COMPILE_MODES:
             raise ValueError(f"DSPARK_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {from_env!r}")
-        compile_mode = "off" if precision != "fast" else (from_env or "max")
+        compile_mode = "off" if precision != "fast" or not on_cpu else (from_env or "max")
         why = ": $DSPARK_COMPILE" if from_env and precision == "fast" else ""
         if compile_mode != "off" and (missing := missing_compiler()):
             compile_mode, why = "off", f": {missing}; the step runs eagerly, install g++ for the compiled step"
         said.append(f"compile {compile_mode} (auto{why})")
     elif compile_mode != "off" and (missing := missing_compiler()):
         raise ValueError(f"--compile {compile_mode} needs a C++ compiler: {missing} (install g++, or --compile off)")
-    if precision == "fast" and (reason := cpu_kernels.unavailable_reason()):
+    if precision == "fast" and on_cpu and (reason := cpu_kernels.unavailable_reason()):
         said.append(f"matmuls on torch's int4 kernel (the C++ block kernels: {reason.splitlines()[0]})")
     if said and not quiet:
         print(f"[dspark-target] {', '.join(said)}", flush=True)

@@ -6,10 +6,12 @@ Written without a GPU at hand (none was available): these are the checks to run 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dspark_grpc.runtime.checkpoint import Checkpoint, inference_model
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
 from dspark_grpc.runtime.drafter_formats import init_random_drafter
 from dspark_grpc.runtime.markov import choose_kernel, draft_chain
 from dspark_grpc.runtime.transformer import Transformer
@@ -20,6 +22,11 @@ DEVICE = "cuda"
 PROMPT = [5, 9, 2, 33, 17, 8, 41, 3]
 CHAIN = [12, 7, 50, 1, 22, 9]
 TREE = ([30, 12, 7, 50, 6, 22], [-1, 0, 1, 0, 3, 2])
+# the embedded target's shapes (SmolLM2-135M) with random weights: cuBLAS picks its kernels by shape, so the
+# invariance is asked at the served shapes too, not only at the tiny ones
+SMOLLM2_SHAPED = dataclasses.replace(LLAMA, name="smollm2-shaped", vocab_size=49152, hidden_size=576,
+                                     intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                     rope_theta=100000.0)
 
 
 def random_checkpoint(config, seed: int = 0) -> Checkpoint:
@@ -54,10 +61,11 @@ def test_exact_forwards_match_the_cpu(config):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
-def test_fast_precision_verify_rows_equal_ar_steps():
+@pytest.mark.parametrize("config", [LLAMA, SMOLLM2_SHAPED], ids=["tiny", "smollm2-shaped"])
+def test_fast_precision_verify_rows_equal_ar_steps(config):
     """The losslessness rule on the device: each row of a chain verify equals its own 1-row AR step bitwise (bf16,
-    the batch-invariant attention; whether torch's CUDA matmuls keep it is what this asks)."""
-    model = inference_model(random_checkpoint(LLAMA), "fast", device=DEVICE)
+    the batch-invariant attention, the row-wise ops in fixed-size chunks: runtime/fixed_rows.py)."""
+    model = inference_model(random_checkpoint(config), "fast", device=DEVICE)
     ar, cache = [], model.new_cache()
     prefill(model, cache, PROMPT)
     for token in CHAIN:
@@ -68,6 +76,25 @@ def test_fast_precision_verify_rows_equal_ar_steps():
     prefill(model, cache, PROMPT)
     chain, _ = verify_tree(model, cache, CHAIN, list(range(-1, len(CHAIN) - 1)))
     assert torch.equal(chain, torch.stack(ar))
+
+
+def test_fast_precision_rows_of_a_batch_equal_their_own_steps():
+    """Concurrency on the device: sessions' AR rows and a verify side by side in one forward give each session what
+    its own forward gives, bitwise (AR at C=16 and speculation at C=1 then produce the same tokens)."""
+    model = inference_model(random_checkpoint(SMOLLM2_SHAPED), "fast", device=DEVICE)
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 1, 2] * 20]
+    steps = [([8], [-1]), ([3], [-1]), (CHAIN, list(range(-1, len(CHAIN) - 1)))]
+    alone, caches = [], []
+    for prompt, (tokens, parents) in zip(prompts, steps, strict=True):
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        alone.append(verify_tree(model, cache, tokens, parents)[0])
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        caches.append(cache)
+    outs = model.forward_batch([tree_input(c, *step) for c, step in zip(caches, steps, strict=True)])
+    for out, expected in zip(outs, alone, strict=True):
+        assert torch.equal(out.logits, expected)
 
 
 def test_drafter_forward_matches_the_cpu():

@@ -1,0 +1,36 @@
+"""Row-wise ops on a CUDA device run in chunks of one fixed row count, so that a row's result never depends on how
+many rows ran beside it (a verify row equals its 1-row AR step bitwise, as on the CPU: runtime/batch_invariant.py).
+
+cuBLAS picks its GEMM kernel (tile, split-K) from the problem's shape, and a kernel with another reduction order
+rounds a row differently: a 1-row step and a 5-row verify of the same row could disagree in their last bits, and
+greedy speculation would then drift from greedy AR. Padding every call to chunks of ROWS rows makes every call the
+same shape: one kernel, one reduction order per row, whatever the rest of the chunk holds. On a GPU a matmul of
+ROWS rows costs about what one row costs (the weights' read dominates), so the padding is nearly free there; the
+CPU paths never come here (their kernels are row-count invariant as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+ROWS = 64
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Inference on a CUDA device (training, which needs gradients, and the CPU run as they are)."""
+    return x.device.type == "cuda" and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def by_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+    """fn over x [..., d] row by row in effect: fn applied to [rows, d] chunks (the last one zero-padded), its rows
+    put back as [..., d_out]. fn must treat rows independently (a matmul, a norm)."""
+    lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    padded = -(-max(n, 1) // rows) * rows
+    if padded != n:
+        flat = torch.cat([flat, flat.new_zeros(padded - n, flat.shape[1])])
+    out = torch.cat([fn(chunk) for chunk in flat.split(rows)]) if padded > rows else fn(flat)
+    assert out.shape[0] == padded, (out.shape, padded)
+    return out[:n].view(*lead, out.shape[-1])
