@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
-from dspark_grpc.runtime.sampling import SamplingParams, sample, target_probs
+from dspark_grpc.runtime.sampling import SamplingParams, draw_device, multinomial, sample, target_probs
 from torch import Tensor
 
 # How far the exp of a draft row's log-probs may sum from 1 (float32 log_softmax is ~1e-6 off).
@@ -163,7 +163,7 @@ def _accept(logits: Tensor, tokens: Tensor, q: Tensor, params: SamplingParams,
         return m, best.gather(-1, m[:, None]).squeeze(-1)
     p = target_probs(logits, params).double()  # [B, n+1, V]
     p_x = p[:, :-1].gather(-1, drafted).squeeze(-1)
-    u = torch.rand(batch, n, dtype=torch.float64, generator=generator, device=_device(generator, logits))
+    u = torch.rand(batch, n, dtype=torch.float64, generator=generator, device=draw_device(generator, logits))
     accepted = u.to(logits.device) * q_x < p_x  # probability min(1, p/q)
     m = accepted.long().cumprod(dim=-1).sum(dim=-1)
     # Row m: the residual of the first rejected token, or p itself after a full chain (q's row n is zero).
@@ -172,7 +172,7 @@ def _accept(logits: Tensor, tokens: Tensor, q: Tensor, params: SamplingParams,
     q_m = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1).gather(1, rows).squeeze(1)
     residual = (p_m - q_m).clamp_(min=0)
     dist = torch.where(residual.sum(dim=-1, keepdim=True) > RESIDUAL_FLOOR, residual, p_m)
-    bonus = torch.multinomial(dist.to(_device(generator, dist)), 1, generator=generator).squeeze(-1)
+    bonus = multinomial(dist, generator).squeeze(-1)
     return m, bonus.to(logits.device)
 
 
@@ -217,7 +217,7 @@ def sample_sparse(ids: Tensor, logprobs: Tensor, generator: torch.Generator | No
     probs = torch.where(ids >= 0, logprobs.double().exp(), 0.0).reshape(-1, ids.shape[-1])
     if not bool((probs.sum(dim=-1) > 0).all()):
         raise ValueError("every sparse row needs at least one id with probability > 0")
-    col = torch.multinomial(probs, 1, generator=generator)
+    col = multinomial(probs, generator)
     return ids.reshape(-1, ids.shape[-1]).gather(-1, col).view(ids.shape[:-1])
 
 
@@ -226,7 +226,3 @@ def _row(flat: int, lead: torch.Size) -> str:
     index = [int(i) for i in torch.unravel_index(torch.tensor(flat), lead)]
     return str(index[0]) if len(index) == 1 else str(tuple(index))
 
-
-def _device(generator: torch.Generator | None, tensor: Tensor) -> torch.device:
-    """Where random numbers are drawn: the generator's device (the engine may keep a CPU generator for GPU logits)."""
-    return tensor.device if generator is None else generator.device

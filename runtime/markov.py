@@ -16,6 +16,7 @@ from dspark_grpc.speculation.wire import AUTO, FUSED, TORCH
 from torch import Tensor, nn
 
 from .acceptance import draft_sparse_distribution
+from .sampling import multinomial
 from .transformer import Embedding
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
@@ -253,14 +254,14 @@ def run_chain(base_logits: Tensor, anchor: int, markov: MarkovHead | None, hidde
         embeddings.append(e)
         if temperature > 0 and sample_top_k > 0:
             ids, lps = draft_sparse_distribution(z[None], temperature, sample_top_k)
-            slot = int(torch.multinomial(lps[0].exp(), 1, generator=generator))
+            slot = int(multinomial(lps[0].exp(), generator))
             x = int(ids[0, slot])
             logp = torch.full_like(z, float("-inf")).index_put_((ids[0],), lps[0])
             sparse_ids.append(torch.tensor([to_target(int(i), d2t) for i in ids[0]]))
             sparse_lps.append(lps[0])
         else:
             logp = torch.log_softmax(z / temperature, dim=-1)
-            x = int(torch.multinomial(logp.exp(), 1, generator=generator))
+            x = int(multinomial(logp.exp(), generator))
         draft_tokens.append(x)
         prev = to_target(x, d2t)
         tokens.append(prev)

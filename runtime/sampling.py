@@ -82,10 +82,21 @@ def make_generator(seed: int | None = None, device: str | torch.device = "cpu") 
     return generator
 
 
+def draw_device(generator: torch.Generator | None, tensor: Tensor) -> torch.device:
+    """Where random numbers are drawn: the generator's device (an engine on a GPU keeps a CPU generator, so that a
+    seed draws the same numbers on either device)."""
+    return tensor.device if generator is None else generator.device
+
+
+def multinomial(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """[R, V] (or [V]) probabilities -> [R, 1] (or [1]) draws, on the probabilities' device, drawn on the
+    generator's."""
+    return torch.multinomial(probs.to(draw_device(generator, probs)), 1, generator=generator).to(probs.device)
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
     """[..., V] logits -> [...] token ids drawn from `target_probs` (argmax when greedy)."""
     if params.is_greedy:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, params)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return multinomial(probs.reshape(-1, probs.shape[-1]), generator).view(probs.shape[:-1])
