@@ -171,7 +171,7 @@ class DraftEngine:
             device = torch.device(device)
             if progress and device.type != "cpu" and precision == "fast":
                 print(f"[dspark-draft] {device}: precision fast runs in {str(dtype).removeprefix('torch.')} on torch's "
-                      "matmuls (the Q8_0 kernels are CPU-only); not yet tested on a GPU", flush=True)
+                      "matmuls (the Q8_0 kernels are CPU-only)", flush=True)
             drafter = drafter.to(dtype).to(device).eval().requires_grad_(False).pack(quantize=precision == "fast")
         return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
 

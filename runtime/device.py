@@ -1,9 +1,10 @@
 """The device a service runs its model on (`--device auto|cpu|cuda[:N]`), and what falls back off the CPU.
 
 The fast precision's GGUF block kernels (runtime/gguf_matmul.cpp) and the compiled step (runtime/compiled_step.py)
-are CPU-only: on another device the target runs the same precision on torch's matmuls, eagerly. The CUDA paths are
-written device-clean (tests/runtime/test_device.py runs the forwards with the model on the meta device) but have not
-yet run on a GPU: `make gpu-check` is the check to run where one is.
+are CPU-only: on another device the target runs the same precision on torch's matmuls, eagerly (no CUDA graphs yet),
+its row-wise ops in fixed-size chunks (runtime/fixed_rows.py). The CUDA paths are written device-clean
+(tests/runtime/test_device.py runs the forwards with the model on the meta device) and `make gpu-check` runs them on
+a GPU (figures: docs/bench/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -45,4 +46,4 @@ def cpu_only_note(device: torch.device, precision: str, compile: str) -> str | N
         changed.append(f"compile {compile} is off (the compiled step is CPU-only)")
     if not changed:
         return None
-    return f"{device}: {'; '.join(changed)}; not yet tested on a GPU"
+    return f"{device}: {'; '.join(changed)}; eager (no CUDA graphs yet)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 ROWS = 64
 
@@ -30,7 +31,7 @@ def by_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, r
     n = flat.shape[0]
     padded = -(-max(n, 1) // rows) * rows
     if padded != n:
-        flat = torch.cat([flat, flat.new_zeros(padded - n, flat.shape[1])])
+        flat = F.pad(flat, (0, 0, 0, padded - n))
     out = torch.cat([fn(chunk) for chunk in flat.split(rows)]) if padded > rows else fn(flat)
     assert out.shape[0] == padded, (out.shape, padded)
     return out[:n].view(*lead, out.shape[-1])

@@ -3,10 +3,11 @@
 1. The CUDA tests (tests/runtime/test_cuda.py) with Triton compiling for real (TRITON_INTERPRET=0).
 2. The shipped drafter's DSpark chain through the fused Triton kernel and through the torch path, on the same block
    outputs: tokens identical, and the time of each.
-3. `dspark bench` on the device: AR, speculation and adaptive at concurrency 1, 4 and 16 on the embedded target (its
+3. The embedded target's forward time by the rows it carries (one session's 1-16 rows, 4 or 16 sessions of 1 or 5).
+4. `dspark bench` on the device: AR, speculation and adaptive at concurrency 1, 4 and 16 on the embedded target (its
    JSON and plot go to build/gpu-check/).
 
-Where torch sees no CUDA device it exits 1 with one line. Written while no GPU was available: it has not run yet.
+Where torch sees no CUDA device it exits 1 with one line. docs/bench/gpu-check.md holds its last run's figures.
 
     .venv/bin/python docs/bench/gpu_check.py [--device cuda:0]
 """

@@ -1,7 +1,7 @@
 """On a CUDA device (skipped without one; `make gpu-check` runs them): the forwards match the CPU's, a verify row
 equals its 1-row AR step, the engines run end to end, and the fused Triton chain equals the torch path.
 
-Written without a GPU at hand (none was available): these are the checks to run first where there is one.
+`make gpu-check` ran them on an H200 (docs/bench/gpu-check.md).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_what_falls_back_off_the_cpu_is_said_in_one_line():
     assert cpu_only_note(gpu, "exact", "off") is None
     note = cpu_only_note(gpu, "fast", "max")
     assert "\n" not in note and note.startswith("cuda:0: ") and "compile max is off" in note
-    assert "bf16 on torch's matmuls" in note and "not yet tested on a GPU" in note
+    assert "bf16 on torch's matmuls" in note and "eager" in note
 
 
 def test_a_checkpoint_with_blocks_stays_on_the_cpu():
