@@ -19,8 +19,8 @@ from dspark_grpc.draft_service.engine import (
 )
 from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime.checkpoint import PRECISIONS
-from dspark_grpc.runtime.markov import KERNELS
+from dspark_grpc.runtime.drafting.markov import KERNELS
+from dspark_grpc.runtime.formats.checkpoint import PRECISIONS
 from dspark_grpc.serving.security import server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir

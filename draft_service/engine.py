@@ -38,13 +38,13 @@ from dspark_grpc.draft_service.proposers import (
     drafter_pass,
     dspark_proposal,
 )
-from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, load_checkpoint
-from dspark_grpc.runtime.drafter import BlockOutput, Drafter
-from dspark_grpc.runtime.drafter_formats import init_random_drafter, load_drafter
-from dspark_grpc.runtime.markov import Chain, KernelChoiceError, KernelUnavailable, check_kernel
-from dspark_grpc.runtime.ngram import NgramIndex
-from dspark_grpc.runtime.sampling import check_temperature
-from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.drafting.markov import Chain, KernelChoiceError, KernelUnavailable, check_kernel
+from dspark_grpc.runtime.drafting.ngram import NgramIndex
+from dspark_grpc.runtime.drafting.sampling import check_temperature
+from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, load_checkpoint
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter, load_drafter
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.models.drafter import BlockOutput, Drafter
 from dspark_grpc.serving.batching import BatchInfo, StepBatcher
 from dspark_grpc.serving.cost_profile import drafter_cost_tables
 from dspark_grpc.serving.service_metrics import DraftServiceMetrics
@@ -204,7 +204,7 @@ class DraftEngine:
                features: torch.Tensor | None) -> int:
         """Rows [start, start + n). Rows already held must be identical (idempotent); a gap is refused."""
         s = self.sessions.get(session_id)
-        with s.lock:  # the rows' fc + K/V wait for the session's next drafter pass (runtime/drafter.py)
+        with s.lock:  # the rows' fc + K/V wait for the session's next drafter pass (runtime/models/drafter.py)
             return self._append(s, start, tokens, layer_ids, features)
 
     def _append(self, s: DraftSession, start: int, tokens: list[int], layer_ids: list[int],

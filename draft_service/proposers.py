@@ -17,10 +17,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
-from dspark_grpc.runtime.drafter import BlockOutput, DraftContext, Drafter
-from dspark_grpc.runtime.markov import Chain, choose_kernel, draft_chain, draft_chains
-from dspark_grpc.runtime.ngram import (
+from dspark_grpc.runtime.drafting.ddtree import DraftTree, build_ddtree
+from dspark_grpc.runtime.drafting.markov import Chain, choose_kernel, draft_chain, draft_chains
+from dspark_grpc.runtime.drafting.ngram import (
     SOURCE_BASE,
     SOURCE_BOTH,
     SOURCE_NGRAM,
@@ -30,7 +29,8 @@ from dspark_grpc.runtime.ngram import (
     merge_trees,
     ngram_tree,
 )
-from dspark_grpc.runtime.tree import tree_depths
+from dspark_grpc.runtime.models.drafter import BlockOutput, DraftContext, Drafter
+from dspark_grpc.runtime.models.tree import tree_depths
 from dspark_grpc.serving.batching import StepBatcher
 from dspark_grpc.speculation.wire import DSPARK, HYBRID, NGRAM, TORCH
 
@@ -71,7 +71,7 @@ class ProposalResult:
 @dataclass(frozen=True)
 class ProposalRequest:
     """A checked request: the anchor sits right after the session's context; `budget` is in the proposer's range;
-    `kernel` is a known kernel name (runtime/markov.py `KERNELS`)."""
+    `kernel` is a known kernel name (runtime/drafting/markov.py `KERNELS`)."""
 
     session: DraftSession
     anchor_token: int
@@ -123,7 +123,7 @@ class PassJob:
 
 def drafter_pass(d: Drafter, jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
     """One drafter pass for the sessions of `jobs`, then the greedy chains of those that want one, as one batched
-    chain (runtime/markov.py `draft_chains`) instead of one per session."""
+    chain (runtime/drafting/markov.py `draft_chains`) instead of one per session."""
     outs = d.forward_blocks([(job.context, job.anchor_token) for job in jobs])
     chains: list[Chain | None] = [None] * len(jobs)
     greedy = [i for i, job in enumerate(jobs) if job.greedy_chain]

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from dspark_grpc.draft_service.engine import PROTOCOL_VERSION, DraftEngine
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime.sampling import make_generator
+from dspark_grpc.runtime.drafting.sampling import make_generator
 from dspark_grpc.serving.security import principal_of
 from dspark_grpc.serving.server import check_enum, run_session_op, session_stream
 from dspark_grpc.serving.tensor_codec import from_proto, to_proto

@@ -87,7 +87,7 @@ def probability(text: str) -> float:
 
 def device_choice(text: str) -> str:
     """`--device`: auto, cpu, cuda or cuda:N (whether that CUDA device exists is checked where torch is loaded:
-    runtime/device.py)."""
+    runtime/kernels/device.py)."""
     value = text.strip().lower()
     if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
         return value
@@ -158,7 +158,7 @@ def draft_main() -> None:
 
 
 def convert_main() -> None:
-    _service_main("dspark-convert", "dspark_grpc.runtime.drafter_formats",
+    _service_main("dspark-convert", "dspark_grpc.runtime.formats.drafter_formats",
                   "Convert a DFlash/DSpark drafter HF directory to a drafter GGUF")
 
 

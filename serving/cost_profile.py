@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from dspark_grpc.runtime.linear import matmul_kind
+from dspark_grpc.runtime.models.linear import matmul_kind
 from dspark_grpc.speculation.cost_table import (
     DEFAULT_SIZES,
     CostKey,
@@ -24,8 +24,8 @@ from dspark_grpc.speculation.cost_table import (
 )
 
 if TYPE_CHECKING:
-    from dspark_grpc.runtime.drafter import BlockOutput, Drafter
-    from dspark_grpc.runtime.transformer import Transformer
+    from dspark_grpc.runtime.models.drafter import BlockOutput, Drafter
+    from dspark_grpc.runtime.models.transformer import Transformer
 
 log = logging.getLogger("dspark.cost")
 
@@ -116,7 +116,7 @@ def profile_target(model: Transformer, sizes: Sequence[int] = DEFAULT_SIZES, rep
     Size 1 (a plain AR step: one root, no draft) is always measured. Rows verified are what the forward's cost
     depends on, so a tree of N nodes costs about what a chain of N does; the commit after it is a few row
     copies and not timed."""
-    from dspark_grpc.runtime.decode import prefill, tree_input
+    from dspark_grpc.runtime.models.decode import prefill, tree_input
 
     if lanes < 1:
         raise ValueError(f"lanes must be >= 1, got {lanes}")

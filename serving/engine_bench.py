@@ -19,11 +19,11 @@ from pathlib import Path
 
 import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
-from dspark_grpc.runtime.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
-from dspark_grpc.runtime.cpu_kernels import default_compile_cache
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
-from dspark_grpc.runtime.linear import matmul_kind
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
+from dspark_grpc.runtime.models.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.linear import matmul_kind
+from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.serving.cost_profile import profile_target
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
+from dspark_grpc.runtime.kernels.device import DeviceUnavailable, resolve_device
 from dspark_grpc.serving.refusal_log import RefusalLog
 from dspark_grpc.serving.security import HEALTH_PREFIX, Guard, ServerSecurity, exposure_warning
 from dspark_grpc.serving.sessions import Owner, limits_problem

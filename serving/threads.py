@@ -109,7 +109,7 @@ class ThreadGovernor:
 def same_outputs_on_one_thread(model, threads: int, context: int = 40) -> bool:
     """Whether a prompt chunk, a 1-row step and a 4-row verify give bitwise the same logits on one thread as on
     `threads` (a throwaway cache; run it on the thread that runs the model's forwards)."""
-    from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
+    from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
 
     prompt = torch.randint(model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     outputs, before = [], torch.get_num_threads()

@@ -11,8 +11,8 @@ from pathlib import Path
 import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin count)
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.checkpoint import PRECISIONS
-from dspark_grpc.runtime.compiled_step import COMPILE_MODES, missing_compiler
+from dspark_grpc.runtime.formats.checkpoint import PRECISIONS
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, missing_compiler
 from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
@@ -137,14 +137,14 @@ def main(argv: list[str] | None = None) -> None:
                           adaptive_threads=not args.fixed_threads)
 
     def load() -> None:
-        from dspark_grpc.runtime.checkpoint import default_model_path
+        from dspark_grpc.runtime.formats.checkpoint import default_model_path
 
         path = args.model or default_model_path()
-        from dspark_grpc.runtime.cpu_kernels import default_compile_cache
+        from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
         from dspark_grpc.speculation.cost_table import default_cache_dir
 
         compile_cache = args.compile_cache or default_compile_cache()
-        os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # runtime/cpu_kernels.py's build too
+        os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # runtime/kernels/cpu_kernels.py's build too
         # inductor's own cache beside the saved steps (a restart elsewhere needs both); read only when compiling
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
         precision, compile_mode = _precision_and_compile(path, args.precision, args.compile, quiet=args.quiet,
@@ -180,9 +180,9 @@ def http_front(servicer: TargetServicer, args: argparse.Namespace, security: Ser
 def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: bool,
                            on_cpu: bool = True) -> tuple[str, str]:
     """--precision and --compile with "auto" resolved (said on stdout); off the CPU nothing CPU-only is built or
-    checked (the C++ kernels, the compiled step: runtime/device.py says what runs instead)."""
-    from dspark_grpc.runtime import cpu_kernels
-    from dspark_grpc.runtime.checkpoint import auto_precision
+    checked (the C++ kernels, the compiled step: runtime/kernels/device.py says what runs instead)."""
+    from dspark_grpc.runtime.formats.checkpoint import auto_precision
+    from dspark_grpc.runtime.kernels import cpu_kernels
 
     said = []
     if precision == "auto":

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.acceptance import accept_chain, accept_tree
-from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.detokenize import IncrementalDecoder
-from dspark_grpc.runtime.device import cpu_only_note
-from dspark_grpc.runtime.kv_cache import KVCache
-from dspark_grpc.runtime.sampling import SamplingParams, make_generator
-from dspark_grpc.runtime.tokenizer import TextTokenizer
-from dspark_grpc.runtime.transformer import ForwardOutput, SequenceInput, Transformer
-from dspark_grpc.runtime.tree import TreeError, path_to_root, tree_depths, validate_tree
+from dspark_grpc.runtime.drafting.acceptance import accept_chain, accept_tree
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.formats.detokenize import IncrementalDecoder
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.kernels.device import cpu_only_note
+from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.models.kv_cache import KVCache
+from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput, Transformer
+from dspark_grpc.runtime.models.tree import TreeError, path_to_root, tree_depths, validate_tree
 from dspark_grpc.serving.batching import BatchInfo, StepBatcher
 from dspark_grpc.serving.sessions import SessionStore
 from dspark_grpc.serving.threads import ThreadGovernor, same_outputs_on_one_thread
@@ -178,7 +178,7 @@ class TargetEngine:
         """precision "exact": float32 (or `dtype`); "fast": int4 weights from a GGUF's Q4 blocks, bf16 activations;
         compile "fast": the fast precision's steps as compiled graphs (runtime/checkpoint.inference_model), saved in
         and loaded from `compile_cache`. `device`: where the model runs; off the CPU the CPU-only parts fall back to
-        torch, said in one line (runtime/device.py)."""
+        torch, said in one line (runtime/kernels/device.py)."""
         t0 = time.perf_counter()
         device = torch.device(device)
         on_cpu = device.type == "cpu"

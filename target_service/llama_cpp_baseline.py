@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.checkpoint import default_model_path
-from dspark_grpc.runtime.gguf_reader import open_gguf, read_gguf_metadata
-from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.formats.checkpoint import default_model_path
+from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.target_service.engine import encode_prompt
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
-from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.drafting.sampling import SamplingParams
 from dspark_grpc.serving.security import principal_of
 from dspark_grpc.serving.server import check_enum, log_refusal, run_session_op, session_stream, status_code
 from dspark_grpc.serving.sessions import Owner

@@ -85,10 +85,10 @@ SHARED_UNIT = "tests/conftest.py::SHARED_SESSION_FILES"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The run's first process starts building runtime/cpu_kernels.py's library (~30 s of one core) while the
+    """The run's first process starts building runtime/kernels/cpu_kernels.py's library (~30 s of one core) while the
     workers start on other files; a worker that needs it first waits for that build (a file lock), not a second."""
     if not hasattr(config, "workerinput") and os.environ.get("DSPARK_CPU_KERNELS") != "0":
-        from dspark_grpc.runtime import cpu_kernels
+        from dspark_grpc.runtime.kernels import cpu_kernels
 
         threading.Thread(target=cpu_kernels.available, daemon=True).start()
 
@@ -139,7 +139,7 @@ TINY_VOCAB = 49152  # SmolLM2's tokenizer size, so a tokenizer.json can be dropp
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from dspark_grpc.runtime.checkpoint import default_model_path
+    from dspark_grpc.runtime.formats.checkpoint import default_model_path
 
     try:
         return default_model_path()

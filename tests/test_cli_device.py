@@ -12,7 +12,7 @@ import pytest
 import torch
 from dspark_grpc.client import bench
 from dspark_grpc.client import cli as client_cli
-from dspark_grpc.runtime.device import DeviceUnavailable, resolve_device
+from dspark_grpc.runtime.kernels.device import DeviceUnavailable, resolve_device
 from dspark_grpc.target_service import cli as target_cli
 
 from dspark_grpc.cli_common import device_choice

@@ -95,8 +95,8 @@ def test_cache_reloads_on_second_start_and_reprofiles_on_another_key(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_model():
     import torch
-    from dspark_grpc.runtime.config import ModelConfig
-    from dspark_grpc.runtime.transformer import Transformer
+    from dspark_grpc.runtime.models.config import ModelConfig
+    from dspark_grpc.runtime.models.transformer import Transformer
 
     torch.manual_seed(0)
     config = ModelConfig(architecture="llama", name="tiny", vocab_size=64, hidden_size=32, intermediate_size=64,

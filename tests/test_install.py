@@ -45,7 +45,7 @@ def _resolve_without_a_compiler(tmp_path: Path, compile_mode: str) -> subprocess
     cache, so the C++ kernels would have to be built)."""
     env = {k: v for k, v in os.environ.items() if k not in ("DSPARK_COMPILE", "CXX")}
     env.update(PATH=str(tmp_path), DSPARK_COMPILE_CACHE=str(tmp_path / "cache"))
-    code = ("from dspark_grpc.runtime.checkpoint import default_model_path\n"
+    code = ("from dspark_grpc.runtime.formats.checkpoint import default_model_path\n"
             "from dspark_grpc.target_service.cli import _precision_and_compile\n"
             f"print(_precision_and_compile(default_model_path(), 'auto', {compile_mode!r}, quiet=False))")
     return subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=300)

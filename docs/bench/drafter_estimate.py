@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.checkpoint import default_model_path
-from dspark_grpc.runtime.drafter_formats import load_drafter
+from dspark_grpc.runtime.formats.checkpoint import default_model_path
+from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 from dspark_grpc.runtime.train.data import TargetSequence
 from dspark_grpc.runtime.train.loop import TrainSettings, evaluate
 from dspark_grpc.runtime.train.vocab import DraftVocab

@@ -59,9 +59,9 @@ def fused_vs_torch(device: str, contexts: int = 32, repeats: int = 20) -> dict:
     """The chain of each kernel on the same block outputs (random target features as context): how many chains are
     identical, and the median seconds of one chain (host sync included: both return tokens on the host)."""
     from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
-    from dspark_grpc.runtime.checkpoint import default_model_path
-    from dspark_grpc.runtime.drafter_formats import load_drafter
-    from dspark_grpc.runtime.markov import draft_chain
+    from dspark_grpc.runtime.drafting.markov import draft_chain
+    from dspark_grpc.runtime.formats.checkpoint import default_model_path
+    from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 
     print("== gpu-check: fused Triton kernel against the torch path", flush=True)
     d = load_drafter(EMBEDDED_DRAFTER, target_path=default_model_path()).to(device).eval().requires_grad_(False)
@@ -92,8 +92,8 @@ def forward_costs(device: str, repeats: int = 30) -> dict[str, float]:
     """Milliseconds per forward of the embedded target (fast precision, eager) by the rows it carries: one session's
     1-16 rows (an AR step, verifies), and 4 or 16 sessions of 1 row (AR) or 5 rows (chain verifies) each, over
     200-token caches. What a verify row costs beside an AR step is what decides whether speculation pays."""
-    from dspark_grpc.runtime.checkpoint import default_model_path, inference_model, load_checkpoint
-    from dspark_grpc.runtime.decode import prefill, tree_input
+    from dspark_grpc.runtime.formats.checkpoint import default_model_path, inference_model, load_checkpoint
+    from dspark_grpc.runtime.models.decode import prefill, tree_input
 
     print("== gpu-check: forward cost by rows", flush=True)
     model = inference_model(load_checkpoint(default_model_path(), progress=False), "fast", device=device)

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.models.transformer import Transformer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 SIZES = {  # name: (hidden, layers, heads, kv heads, head_dim, intermediate)

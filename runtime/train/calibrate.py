@@ -9,9 +9,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+from dspark_grpc.runtime.models.drafter import Drafter
 from torch import Tensor
-
-from ..drafter import Drafter
 
 DEFAULT_GRID = tuple(float(t) for t in torch.logspace(-3, 3, 49, base=2.0))  # 1/8 .. 8
 

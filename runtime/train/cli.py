@@ -16,16 +16,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from ..checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
-from ..compiled_step import COMPILE_MODES
-from ..cpu_kernels import default_compile_cache
-from ..drafter import Drafter
-from ..drafter_formats import save_drafter
-from ..tokenizer import TextTokenizer
-from ..transformer import Transformer
-from .calibrate import apply_temperatures, fit_temperatures, survival_ece
-from .data import (
+from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
+from dspark_grpc.runtime.formats.drafter_formats import save_drafter
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES
+from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
+from dspark_grpc.runtime.models.drafter import Drafter
+from dspark_grpc.runtime.models.transformer import Transformer
+from dspark_grpc.runtime.train.calibrate import apply_temperatures, fit_temperatures, survival_ece
+from dspark_grpc.runtime.train.data import (
     DEFAULT_CACHE,
     FeatureCache,
     GenerationSettings,
@@ -40,10 +39,10 @@ from .data import (
     stderr_progress,
     target_digest,
 )
-from .loop import DRAFTER_DIR, TrainSettings, evaluate, load_state, suggest_block_size, train
-from .losses import LossWeights
-from .model import default_layer_ids, init_drafter, trainable_parameters
-from .vocab import DraftVocab, build_draft_vocab, coverage_report, token_counts
+from dspark_grpc.runtime.train.loop import DRAFTER_DIR, TrainSettings, evaluate, load_state, suggest_block_size, train
+from dspark_grpc.runtime.train.losses import LossWeights
+from dspark_grpc.runtime.train.model import default_layer_ids, init_drafter, trainable_parameters
+from dspark_grpc.runtime.train.vocab import DraftVocab, build_draft_vocab, coverage_report, token_counts
 
 
 def log(message: str) -> None:

@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator, sample
+from dspark_grpc.runtime.formats.checkpoint import Checkpoint
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.models.transformer import SequenceInput, Transformer
 from torch import Tensor
-
-from ..checkpoint import Checkpoint
-from ..sampling import SamplingParams, make_generator, sample
-from ..tokenizer import TextTokenizer
-from ..transformer import SequenceInput, Transformer
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 DEFAULT_CACHE = Path(".cache") / "dspark-train"

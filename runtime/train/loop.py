@@ -3,7 +3,7 @@
 Every random choice derives from (seed, epoch) or (seed, step), so a resumed run replays the same batches and,
 from the saved weights and optimizer state, reaches the same weights as an uninterrupted one.
 
-Held-out estimate: greedy chains drafted exactly as the serving chain drafts them (runtime.markov.run_chain), on
+Held-out estimate: greedy chains drafted exactly as the serving chain drafts them (drafting.markov.run_chain), on
 held-out sequences the target generated greedily, so "draft k equals the target's continuation" is exactly the
 greedy speculative step's acceptance. per_position[k] = P(the first k + 1 drafts are accepted), i.e. accepted /
 drafted at depth k + 1 for full chains (vLLM's per-position acceptance); acceptance_length = 1 + mean accepted
@@ -22,14 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor
-
-from ..drafter import Drafter
-from ..drafter_formats import save_drafter
-from .calibrate import survival_ece
-from .data import TargetSequence, stderr_progress
-from .losses import LossTerms, LossWeights, dspark_loss
-from .model import (
+from dspark_grpc.runtime.formats.drafter_formats import save_drafter
+from dspark_grpc.runtime.models.drafter import Drafter
+from dspark_grpc.runtime.train.calibrate import survival_ece
+from dspark_grpc.runtime.train.data import TargetSequence, stderr_progress
+from dspark_grpc.runtime.train.losses import LossTerms, LossWeights, dspark_loss
+from dspark_grpc.runtime.train.model import (
     AnchorBatch,
     accepted_lengths,
     confidence_logits,
@@ -41,6 +39,7 @@ from .model import (
     spread_anchors,
     trainable_parameters,
 )
+from torch import Tensor
 
 STATE_FILE = "train_state.pt"
 DRAFTER_DIR = "drafter"

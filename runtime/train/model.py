@@ -17,16 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+from dspark_grpc.runtime.drafting.markov import greedy_chains as greedy_chains_of
+from dspark_grpc.runtime.drafting.markov import markov_step
+from dspark_grpc.runtime.formats.drafter_config import default_target_layer_ids
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.models.drafter import Drafter, _BlockKV, sliding_mask
+from dspark_grpc.runtime.models.transformer import Transformer
+from dspark_grpc.runtime.train.data import TargetSequence
+from dspark_grpc.runtime.train.vocab import DraftVocab
 from torch import Tensor
-
-from ..drafter import Drafter, _BlockKV, sliding_mask
-from ..drafter_config import default_target_layer_ids
-from ..drafter_formats import init_random_drafter
-from ..markov import greedy_chains as greedy_chains_of
-from ..markov import markov_step
-from ..transformer import Transformer
-from .data import TargetSequence
-from .vocab import DraftVocab
 
 
 @dataclass
@@ -182,7 +181,7 @@ def confidence_logits(drafter: Drafter, rows: BlockRows, embeddings: Tensor | No
 
 @torch.no_grad()
 def greedy_chains(drafter: Drafter, rows: BlockRows, anchors: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The greedy DSpark chain of every block, as serving drafts it (runtime.markov.greedy_chains): (drafted target
+    """The greedy DSpark chain of every block, as serving drafts it (drafting.markov.greedy_chains): (drafted target
     ids [A, K], raw confidence logits [A, K] or None)."""
     chains = greedy_chains_of(rows.base_logits, anchors, drafter.markov, rows.hidden_post, drafter.d2t)
     return chains.tokens, confidence_logits(drafter, rows, chains.embeddings)

@@ -10,8 +10,8 @@ import math
 from collections.abc import Callable
 
 import torch
-from dspark_grpc.runtime.acceptance import accept_chains, accept_tree, draft_sparse_distribution, sample_sparse
-from dspark_grpc.runtime.sampling import SamplingParams, sample, target_probs
+from dspark_grpc.runtime.drafting.acceptance import accept_chains, accept_tree, draft_sparse_distribution, sample_sparse
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, sample, target_probs
 from torch import Tensor
 
 V = 6

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from dspark_grpc.runtime.acceptance import (
+from dspark_grpc.runtime.drafting.acceptance import (
     accept_chain,
     accept_chains,
     accept_tree,
@@ -14,8 +14,8 @@ from dspark_grpc.runtime.acceptance import (
     draft_sparse_distribution,
     sample_sparse,
 )
-from dspark_grpc.runtime.markov import run_chain
-from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.drafting.markov import run_chain
+from dspark_grpc.runtime.drafting.sampling import SamplingParams
 
 from .harness import goodness_of_fit
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.acceptance import accept_chains, dense_draft_probs, draft_sparse_distribution
-from dspark_grpc.runtime.sampling import SamplingParams, target_probs
+from dspark_grpc.runtime.drafting.acceptance import accept_chains, dense_draft_probs, draft_sparse_distribution
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, target_probs
 
 from .harness import (
     V,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.config import ModelConfig
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.config import ModelConfig
 
 
 @dataclass

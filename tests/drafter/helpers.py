@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from dspark_grpc.runtime.drafter import BlockOutput, Drafter
-from dspark_grpc.runtime.drafter_config import DrafterConfig
+from dspark_grpc.runtime.formats.drafter_config import DrafterConfig
+from dspark_grpc.runtime.models.drafter import BlockOutput, Drafter
 
 
 def random_features(config: DrafterConfig, n: int, seed: int = 0) -> torch.Tensor:

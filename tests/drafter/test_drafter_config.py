@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from dspark_grpc.runtime.drafter_config import (
+from dspark_grpc.runtime.formats.drafter_config import (
     default_target_layer_ids,
     drafter_config_from_hf,
     layers_to_hf,
 )
-from dspark_grpc.runtime.rope import rope_inv_freq
+from dspark_grpc.runtime.models.rope import rope_inv_freq
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

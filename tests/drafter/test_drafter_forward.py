@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime.config import ModelConfig, RopeScaling
-from dspark_grpc.runtime.drafter_formats import build_drafter, init_random_drafter
+from dspark_grpc.runtime.formats.drafter_formats import build_drafter, init_random_drafter
+from dspark_grpc.runtime.models.config import ModelConfig, RopeScaling
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -251,9 +251,9 @@ def test_context_asserts_positions_and_shapes():
 
 
 def test_random_drafter_for_smollm2(smollm2_path):
-    from dspark_grpc.runtime.config import config_from_gguf
-    from dspark_grpc.runtime.gguf_reader import open_gguf, read_gguf_metadata
-    from dspark_grpc.runtime.markov import draft_chain
+    from dspark_grpc.runtime.drafting.markov import draft_chain
+    from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
+    from dspark_grpc.runtime.models.config import config_from_gguf
 
     target = config_from_gguf(read_gguf_metadata(open_gguf(smollm2_path)))
     drafter = init_random_drafter(target, seed=7)

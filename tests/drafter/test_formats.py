@@ -9,15 +9,15 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from dspark_grpc.runtime.config import RopeScaling
-from dspark_grpc.runtime.drafter_formats import (
+from dspark_grpc.runtime.formats.drafter_formats import (
     convert_to_gguf,
     init_random_drafter,
     load_drafter,
     main,
     save_drafter,
 )
-from dspark_grpc.runtime.gguf_reader import open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.models.config import RopeScaling
 from safetensors.torch import load_file, save_file
 
 from .helpers import assert_same_output, random_features, run_block

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
 
 from .helpers import assert_same_output, random_features
 from .test_drafter_forward import TARGET
@@ -53,7 +53,7 @@ def test_bad_batches_are_refused():
 
 
 def test_packed_drafter_equals_unpacked():
-    """Drafter.pack (runtime/linear.py) gives the unpacked drafter's block outputs."""
+    """Drafter.pack (runtime/models/linear.py) gives the unpacked drafter's block outputs."""
     drafter = init_random_drafter(TARGET, num_layers=2, block_size=4, target_layer_ids=(0, 3), seed=3)
     drafter = drafter.eval().requires_grad_(False)
     features = random_features(drafter.config, 6)

@@ -1,4 +1,4 @@
-"""The drafter's fast precision: its projections and head as Q8_0 blocks on runtime/gguf_matmul.cpp
+"""The drafter's fast precision: its projections and head as Q8_0 blocks on runtime/kernels/gguf_matmul.cpp
 (`Drafter.pack(quantize=True)`, `dspark-draft serve --precision fast`)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 from dspark_grpc.draft_service.engine import DraftEngine
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.linear import Linear, matmul_kind, quantize_linears
-from dspark_grpc.runtime.quant import quantize_q8_0
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import quantize_q8_0
+from dspark_grpc.runtime.models.linear import Linear, matmul_kind, quantize_linears
 
 from .helpers import random_features
 from .test_drafter_forward import TARGET

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import torch
-from dspark_grpc.runtime.markov import Chain, ConfidenceHead, MarkovHead
+from dspark_grpc.runtime.drafting.markov import Chain, ConfidenceHead, MarkovHead
 
 
 def _dot(a: list[float], b: list[float]) -> float:

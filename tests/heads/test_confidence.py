@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.markov import ConfidenceHead, draft_chain
+from dspark_grpc.runtime.drafting.markov import ConfidenceHead, draft_chain
 
 from .test_markov_chain import H, R, fused, make_heads, make_inputs, needs_triton
 

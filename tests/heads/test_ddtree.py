@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree, depth_logprobs
-from dspark_grpc.runtime.markov import MarkovHead, run_chain
-from dspark_grpc.runtime.tree import path_to_root, validate_tree
+from dspark_grpc.runtime.drafting.ddtree import DraftTree, build_ddtree, depth_logprobs
+from dspark_grpc.runtime.drafting.markov import MarkovHead, run_chain
+from dspark_grpc.runtime.models.tree import path_to_root, validate_tree
 
 from .reference import brute_force_tree, path_score, reference_bias, reference_step
 

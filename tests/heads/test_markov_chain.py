@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from dspark_grpc.runtime.markov import (
+from dspark_grpc.runtime.drafting.markov import (
     ConfidenceHead,
     KernelChoiceError,
     KernelUnavailable,
@@ -46,8 +46,8 @@ def make_d2t(seed: int = 0) -> torch.Tensor:
 
 
 def fused(*args, **kw):
-    from dspark_grpc.runtime.markov import Chain
-    from dspark_grpc.runtime.markov_triton import markov_chain_fused
+    from dspark_grpc.runtime.drafting.markov import Chain
+    from dspark_grpc.runtime.kernels.markov_triton import markov_chain_fused
 
     return Chain(*markov_chain_fused(*args, block_v=TILE, **kw))
 
@@ -212,7 +212,7 @@ def test_kernel_choice(monkeypatch):
         draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused", temperature=0.5)
     assert_same_chain(draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="fused"),
                       draft_chain(u, h_pre, h_post, 1, vanilla, conf, kernel="torch"))
-    from dspark_grpc.runtime import markov_triton
+    from dspark_grpc.runtime.kernels import markov_triton
 
     monkeypatch.setattr(markov_triton, "_INTERPRET", False)  # as if triton had been imported without it
     assert choose_kernel("auto", "vanilla", 0.0, "cpu") == "torch"
@@ -278,7 +278,7 @@ def test_bias_cache_refuses_heads_whose_bias_is_not_a_function_of_the_token():
 def test_chains_of_one_pass_drafted_together_equal_each_alone_and_the_reference(kind: str, with_d2t: bool):
     """The sessions of one drafter pass draft their greedy chains as one batched chain (draft_chains): each equals
     the float64 reference loop of its own block, and the tokens are those the block drafts alone."""
-    from dspark_grpc.runtime.markov import draft_chains
+    from dspark_grpc.runtime.drafting.markov import draft_chains
 
     markov, conf = make_heads(kind, temperatures=[1.0, 1.5, 0.7])
     d2t = make_d2t() if with_d2t else None

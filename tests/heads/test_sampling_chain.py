@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from dspark_grpc.runtime.markov import ConfidenceHead, MarkovHead, draft_chain
+from dspark_grpc.runtime.drafting.markov import ConfidenceHead, MarkovHead, draft_chain
 
 V_T, V_D, R, H = 9, 5, 4, 6
 

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from dspark_grpc.runtime.ngram import Candidate, NgramIndex, match_score, ngram_candidates
+from dspark_grpc.runtime.drafting.ngram import Candidate, NgramIndex, match_score, ngram_candidates
 
 
 def cand(tokens: list[int], n: int) -> Candidate:

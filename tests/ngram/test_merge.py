@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from dspark_grpc.runtime.ddtree import DraftTree, build_ddtree
-from dspark_grpc.runtime.ngram import (
+from dspark_grpc.runtime.drafting.ddtree import DraftTree, build_ddtree
+from dspark_grpc.runtime.drafting.ngram import (
     SOURCE_BASE,
     SOURCE_BOTH,
     SOURCE_NGRAM,
@@ -19,7 +19,7 @@ from dspark_grpc.runtime.ngram import (
     merge_trees,
     ngram_tree,
 )
-from dspark_grpc.runtime.tree import path_to_root, tree_depths, validate_tree
+from dspark_grpc.runtime.models.tree import path_to_root, tree_depths, validate_tree
 
 ANCHOR = 9
 

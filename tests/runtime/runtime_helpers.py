@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.transformer import ForwardOutput, Transformer
+from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.models.transformer import ForwardOutput, Transformer
 
 
 def greedy_decode(

@@ -7,14 +7,21 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.batch_invariant import attention_by_row, row_keys
-from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
-from dspark_grpc.runtime.linear import pack_weight, packed_matmul
-from dspark_grpc.runtime.quant import BLOCK_TYPES, INT4_TYPES, BlockWeight, Int4Weight, QuantBlocks, int4_available
-from dspark_grpc.runtime.transformer import Transformer
-from dspark_grpc.runtime.tree import ancestor_mask
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import (
+    BLOCK_TYPES,
+    INT4_TYPES,
+    BlockWeight,
+    Int4Weight,
+    QuantBlocks,
+    int4_available,
+)
+from dspark_grpc.runtime.models.batch_invariant import attention_by_row, row_keys
+from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.linear import pack_weight, packed_matmul
+from dspark_grpc.runtime.models.transformer import Transformer
+from dspark_grpc.runtime.models.tree import ancestor_mask
 from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 

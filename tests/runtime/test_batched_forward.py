@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
-from dspark_grpc.runtime.kv_cache import CacheFullError
-from dspark_grpc.runtime.transformer import SequenceInput, Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.kv_cache import CacheFullError
+from dspark_grpc.runtime.models.transformer import SequenceInput, Transformer
 from dspark_grpc.serving.batching import StepBatcher
 from runtime_helpers import hf_logits, random_tokens
 from transformers import AutoModelForCausalLM

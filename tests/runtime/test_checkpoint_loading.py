@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from dspark_grpc.runtime import checkpoint
-from dspark_grpc.runtime.checkpoint import default_model_path, load_checkpoint
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats import checkpoint
+from dspark_grpc.runtime.formats.checkpoint import default_model_path, load_checkpoint
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import forward_all, random_tokens
 from safetensors.torch import load_file, save_file
 

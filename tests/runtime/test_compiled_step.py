@@ -1,4 +1,4 @@
-"""The compiled step (runtime/compiled_step.py) is lossless by batch invariance, like the eager fast path: a row
+"""The compiled step (runtime/kernels/compiled_step.py) is lossless by batch invariance, like the eager fast path: a row
 of a verify (the wider graph, any key length C, a tree, batched with another session) equals its 1-row AR step
 (the AR graph) bitwise; and it computes the same model as the eager fast path (to bf16 rounding)."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.compiled_step import CompiledStep, artifact_key, load_step, save_step
-from dspark_grpc.runtime.decode import prefill, tree_input, verify_tree
-from dspark_grpc.runtime.quant import int4_available
-from dspark_grpc.runtime.slot_cache import SlotCache
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.kernels.compiled_step import CompiledStep, artifact_key, load_step, save_step
+from dspark_grpc.runtime.kernels.quant import int4_available
+from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.slot_cache import SlotCache
+from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.serving import engine_bench
 from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
@@ -80,8 +80,8 @@ def test_compiled_step_computes_the_eager_fast_model(models):
         logits, captures = verify_tree(model, cache, tokens[:6], list(range(-1, 5)), capture_layers=(0,))
         got.append((logits, captures))
     # attention in float32 here, bf16 SDPA there: differences of bf16 rounding, which flip codes of the int8
-    # activations of runtime/gguf_matmul.cpp (a step of 1/127 of a block's largest value; with torch's int4 kernel
-    # and bf16 activations the largest difference here is ~1 % of the largest logit, with int8 activations ~6 %)
+    # activations of runtime/kernels/gguf_matmul.cpp (a step of 1/127 of a block's largest value; with torch's int4
+    # kernel and bf16 activations the largest difference here is ~1 % of the largest logit, with int8 activations ~6 %)
     for got_t, eager_t in ((got[1][0], got[0][0]), (got[1][1].float(), got[0][1].float())):
         torch.testing.assert_close(got_t, eager_t, atol=0.1 * eager_t.abs().max().item(), rtol=0)
     # the compiled argmax is eager's argmax or a near-tie of it (random tiny models have many)

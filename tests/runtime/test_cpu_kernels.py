@@ -1,4 +1,4 @@
-"""The GGUF block kernel (runtime/gguf_matmul.cpp) against llama.cpp's arithmetic written out independently in
+"""The GGUF block kernel (runtime/kernels/gguf_matmul.cpp) against llama.cpp's arithmetic written out independently in
 float64: int8 activations per block of 32 (scale max|x| / 127, codes rounded half to even), exact integer block
 dots, scaled by d_w * d_x, plus Q4's m times the block's float sum of x."""
 
@@ -13,9 +13,9 @@ import sys
 import gguf
 import pytest
 import torch
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.linear import FusedProjection, Linear
-from dspark_grpc.runtime.quant import BLOCK_TYPES, BlockWeight, Int4Weight, QuantBlocks, quantized_weight
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, BlockWeight, Int4Weight, QuantBlocks, quantized_weight
+from dspark_grpc.runtime.models.linear import FusedProjection, Linear
 
 Q = gguf.GGMLQuantizationType
 
@@ -161,8 +161,8 @@ def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot():
 
 OTHER_ISA_SCRIPT = """
 import sys, torch
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.cpu_kernels import default_compile_cache
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
 inputs = torch.load(sys.argv[1])
 path = cpu_kernels._library_path(default_compile_cache())
 path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import Checkpoint, inference_model
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.markov import choose_kernel, draft_chain
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.drafting.markov import choose_kernel, draft_chain
+from dspark_grpc.runtime.formats.checkpoint import Checkpoint, inference_model
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.models.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.transformer import Transformer
 from test_device import LLAMA, QWEN35
 
 pytestmark = pytest.mark.cuda
@@ -64,7 +64,7 @@ def test_exact_forwards_match_the_cpu(config):
 @pytest.mark.parametrize("config", [LLAMA, SMOLLM2_SHAPED], ids=["tiny", "smollm2-shaped"])
 def test_fast_precision_verify_rows_equal_ar_steps(config):
     """The losslessness rule on the device: each row of a chain verify equals its own 1-row AR step bitwise (bf16,
-    the batch-invariant attention, the row-wise ops in fixed-size chunks: runtime/fixed_rows.py)."""
+    the batch-invariant attention, the row-wise ops in fixed-size chunks: runtime/models/fixed_rows.py)."""
     model = inference_model(random_checkpoint(config), "fast", device=DEVICE)
     ar, cache = [], model.new_cache()
     prefill(model, cache, PROMPT)
@@ -112,7 +112,7 @@ def test_drafter_forward_matches_the_cpu():
 
 
 def test_fused_kernel_equals_the_torch_path():
-    from dspark_grpc.runtime import markov_triton
+    from dspark_grpc.runtime.kernels import markov_triton
 
     if markov_triton._INTERPRET:
         pytest.skip("triton is interpreted here (TRITON_INTERPRET=1): run with TRITON_INTERPRET=0, as make gpu-check "
@@ -151,7 +151,7 @@ def engines(smollm2_path):
 def test_target_engine_speculation_equals_ar(engines):
     """Greedy AR through the engine, then its continuation verified as one chain: all of it accepted, the same next
     token; captures reach the host in bf16; a sampled prefill runs its generator beside the device's logits."""
-    from dspark_grpc.runtime.sampling import SamplingParams
+    from dspark_grpc.runtime.drafting.sampling import SamplingParams
 
     target, _ = engines
     assert target.model.device.type == torch.device(DEVICE).type

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import Checkpoint, inference_model
-from dspark_grpc.runtime.config import ModelConfig
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
-from dspark_grpc.runtime.device import cpu_only_note
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.transformer import Transformer, causal_mask
+from dspark_grpc.runtime.formats.checkpoint import Checkpoint, inference_model
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.kernels.device import cpu_only_note
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.transformer import Transformer, causal_mask
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,7 +120,7 @@ def test_what_falls_back_off_the_cpu_is_said_in_one_line():
 
 
 def test_a_checkpoint_with_blocks_stays_on_the_cpu():
-    from dspark_grpc.runtime.quant import QuantBlocks
+    from dspark_grpc.runtime.kernels.quant import QuantBlocks
 
     ckpt = Checkpoint(LLAMA, Transformer(LLAMA).state_dict(), blocks={"layers.0.attention.wq.weight": QuantBlocks})
     with pytest.raises(ValueError, match="CPU-only"):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.serving import engine_bench
 from test_batch_invariance import Q, fast_tiny_model
 

@@ -1,11 +1,11 @@
-"""runtime/fixed_rows.py: every call fn sees has exactly ROWS rows, and the rows come back as fn gives them for each
-row alone (a CPU check of the chunking; tests/runtime/test_cuda.py checks the invariance it buys on a GPU)."""
+"""runtime/models/fixed_rows.py: every call fn sees has exactly ROWS rows, and the rows come back as fn gives them for
+each row alone (a CPU check of the chunking; tests/runtime/test_cuda.py checks the invariance it buys on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.fixed_rows import applies, by_fixed_rows
+from dspark_grpc.runtime.models.fixed_rows import applies, by_fixed_rows
 
 
 @pytest.mark.parametrize("lead", [(1,), (5,), (8,), (9,), (2, 7), (0,)], ids=str)

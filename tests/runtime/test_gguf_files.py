@@ -12,10 +12,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.gguf_reader import GGUFFile, dequantize_tensor, open_gguf, read_gguf_metadata
-from dspark_grpc.runtime.safetensors_reader import read_hf_config, read_safetensors
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.formats.gguf_reader import GGUFFile, dequantize_tensor, open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.formats.safetensors_reader import read_hf_config, read_safetensors
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import forward_all, random_tokens
 
 Q = gguf.GGMLQuantizationType

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.kv_cache import CacheFullError, KVCache
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.kv_cache import CacheFullError, KVCache
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import greedy_decode, random_tokens
 
 LAYERS, HEADS, DIM = 2, 2, 4

@@ -1,13 +1,13 @@
-"""oneDNN pre-packed projections (runtime/linear.py): the same numbers as F.linear / HF, on every row count."""
+"""oneDNN pre-packed projections (runtime/models/linear.py): the same numbers as F.linear / HF, on every row count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.decode import prefill, verify_tree
-from dspark_grpc.runtime.linear import (
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.decode import prefill, verify_tree
+from dspark_grpc.runtime.models.linear import (
     MIN_ROWS,
     FusedProjection,
     Linear,
@@ -16,7 +16,7 @@ from dspark_grpc.runtime.linear import (
     pack_linears,
     pack_weight,
 )
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import hf_logits, random_tokens
 from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""GGUF Q4_0/Q4_1 blocks as torch int4 matmuls (runtime/quant.py) and the fast precision's loading."""
+"""GGUF Q4_0/Q4_1 blocks as torch int4 matmuls (runtime/kernels/quant.py) and the fast precision's loading."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from dspark_grpc.runtime import cpu_kernels
-from dspark_grpc.runtime.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.linear import Linear, matmul_kind
-from dspark_grpc.runtime.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
+from dspark_grpc.runtime.models.linear import Linear, matmul_kind
 from dspark_grpc.serving.cost_profile import target_key
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
@@ -91,7 +91,7 @@ def test_precision_is_checked(smollm2_path):
 
 @pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 def test_auto_precision_is_fast_for_a_quantized_gguf_only(smollm2_path, tiny_hf_models):
-    from dspark_grpc.runtime.checkpoint import auto_precision
+    from dspark_grpc.runtime.formats.checkpoint import auto_precision
 
     precision, why = auto_precision(smollm2_path)  # the embedded Q4_1 file: 210 Q4_1 matrices, a Q8_0 embedding
     assert precision == "fast" and "blocks" in why

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, tree_input, verify_tree
-from dspark_grpc.runtime.kv_cache import HybridCache
-from dspark_grpc.runtime.linear_attention import parents_from_mask
-from dspark_grpc.runtime.transformer import SequenceInput, Transformer
-from dspark_grpc.runtime.tree import ancestor_mask, path_to_root, tree_depths
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.decode import commit_path, prefill, tree_input, verify_tree
+from dspark_grpc.runtime.models.kv_cache import HybridCache
+from dspark_grpc.runtime.models.linear_attention import parents_from_mask
+from dspark_grpc.runtime.models.transformer import SequenceInput, Transformer
+from dspark_grpc.runtime.models.tree import ancestor_mask, path_to_root, tree_depths
 from qwen35_models import make_qwen35, write_qwen35_gguf
 from runtime_helpers import greedy_decode, hf_logits, random_tokens
 

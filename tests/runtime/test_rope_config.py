@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from dspark_grpc.runtime.config import RopeScaling, config_from_gguf, config_from_hf
-from dspark_grpc.runtime.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from dspark_grpc.runtime.models.config import RopeScaling, config_from_gguf, config_from_hf
+from dspark_grpc.runtime.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

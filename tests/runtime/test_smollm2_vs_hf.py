@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.config import config_from_hf
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.config import config_from_hf
+from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import forward_all, greedy_decode, hf_logits
 
 pytestmark = pytest.mark.slow

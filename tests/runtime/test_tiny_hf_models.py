@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.transformer import Transformer
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import greedy_decode, hf_logits, random_tokens
 from transformers import AutoModelForCausalLM
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import load_checkpoint
-from dspark_grpc.runtime.decode import commit_path, prefill, verify_tree
-from dspark_grpc.runtime.transformer import Transformer
-from dspark_grpc.runtime.tree import (
+from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
+from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
+from dspark_grpc.runtime.models.transformer import Transformer
+from dspark_grpc.runtime.models.tree import (
     TreeError,
     ancestor_mask,
     is_root_path,

@@ -113,7 +113,7 @@ def test_cost_tables_are_published_monotone_and_are_what_the_cache_holds(tmp_pat
     """Two starts on one cache: each publishes monotone tables (in rows and in sessions) equal to the cache's files.
     Whether the second start reused them depends on a timing spot check (tests/test_cost_table.py tests reuse and
     re-profiling deterministically, on a fake spot check)."""
-    from dspark_grpc.runtime.tokenizer import TextTokenizer
+    from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
     from dspark_grpc.speculation.cost_table import CostTable, lanes_problem
 
     model = tiny_hf_models["qwen3"]  # a tiny model: loading and profiling it take a fraction of SmolLM2's time

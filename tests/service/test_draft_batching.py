@@ -18,7 +18,7 @@ import pytest
 import torch
 from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
 from dspark_grpc.serving import cost_profile
 from dspark_grpc.serving.tensor_codec import to_proto
 from dspark_grpc.speculation.cost_table import CostTable

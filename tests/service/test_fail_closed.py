@@ -80,7 +80,7 @@ def test_generate_rpc_speculates_server_side(spec_target_address):
 def test_drafter_for_another_target_is_refused_and_the_request_goes_on(draft_address, tiny_hf_models,
                                                                        smollm2_path):
     """A tiny target (SmolLM2's tokenizer, another model) started with the random drafter built for SmolLM2."""
-    from dspark_grpc.runtime.tokenizer import TextTokenizer
+    from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 
     other = tiny_hf_models["qwen3"]
     TextTokenizer.from_gguf(smollm2_path).save(other)  # same tokenizer, another model

@@ -12,7 +12,7 @@ import torch
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
-from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.serving.tensor_codec import from_proto
 
 CHATS = [

@@ -11,7 +11,7 @@ import pytest
 from dspark_grpc.client import TargetClient
 from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
-from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from qwen35_models import make_qwen35
 
 from tests.service.conftest import RawSession, target_with_drafter

@@ -18,13 +18,13 @@ def smollm2_dir() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_meta(smollm2_dir):
-    from dspark_grpc.runtime.gguf_reader import open_gguf, read_gguf_metadata
+    from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
 
     return read_gguf_metadata(open_gguf(os.path.join(smollm2_dir, SMOLLM2_GGUF)))
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_meta):
-    from dspark_grpc.runtime.tokenizer import TextTokenizer
+    from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 
     return TextTokenizer.from_gguf_metadata(smollm2_meta)

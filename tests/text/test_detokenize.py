@@ -1,7 +1,7 @@
 import random
 
 import pytest
-from dspark_grpc.runtime.detokenize import IncrementalDecoder
+from dspark_grpc.runtime.formats.detokenize import IncrementalDecoder
 
 TEXTS = [
     "🦀 crabs, 日本語のテキスト and naïve café 👨\u200d👩\u200d👧!",

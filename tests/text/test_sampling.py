@@ -3,7 +3,7 @@ import random
 
 import pytest
 import torch
-from dspark_grpc.runtime.sampling import SamplingParams, make_generator, sample, target_probs
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator, sample, target_probs
 
 
 def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:

@@ -2,7 +2,7 @@ import json
 
 import jinja2
 import pytest
-from dspark_grpc.runtime.tokenizer import TextTokenizer
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from tokenizers import pre_tokenizers
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

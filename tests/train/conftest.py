@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dspark_grpc.runtime.checkpoint import _HF_GLOBAL, _HF_LAYER, load_checkpoint
-from dspark_grpc.runtime.config import ModelConfig
-from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.drafting.sampling import SamplingParams
+from dspark_grpc.runtime.formats.checkpoint import _HF_GLOBAL, _HF_LAYER, load_checkpoint
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.runtime.train.data import TargetSequence, generate_batch
-from dspark_grpc.runtime.transformer import Transformer
 from safetensors.torch import save_file
 
 VOCAB, LAYERS, EOS = 128, 4, 2
@@ -34,7 +34,7 @@ def tiny_config() -> ModelConfig:
 
 
 def save_hf(model: Transformer, directory: Path) -> Path:
-    """config.json + model.safetensors with HF names, loadable by runtime.checkpoint.load_checkpoint."""
+    """config.json + model.safetensors with HF names, loadable by runtime.formats.checkpoint.load_checkpoint."""
     c = model.config
     hf_global = {v: k for k, v in _HF_GLOBAL.items()}
     hf_layer = {v: k for k, v in _HF_LAYER.items()}

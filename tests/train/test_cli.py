@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from dspark_grpc.runtime.drafter_formats import load_drafter
+from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 from dspark_grpc.runtime.train import cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dspark_grpc.runtime.sampling import SamplingParams
+from dspark_grpc.runtime.drafting.sampling import SamplingParams
 from dspark_grpc.runtime.train import data
 from dspark_grpc.runtime.train.data import (
     FeatureCache,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dspark_grpc.runtime.drafter_formats import load_drafter, save_drafter
+from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
 from dspark_grpc.runtime.train.calibrate import apply_temperatures
 from dspark_grpc.runtime.train.loop import (
     DRAFTER_DIR,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.markov import draft_chain
+from dspark_grpc.runtime.drafting.markov import draft_chain
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
 from dspark_grpc.runtime.train.model import (
     accepted_lengths,
     confidence_logits,

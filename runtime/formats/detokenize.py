@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .tokenizer import TextTokenizer
+from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .markov import ConfidenceHead, MarkovHead
+    from dspark_grpc.runtime.drafting.markov import ConfidenceHead, MarkovHead
 
 try:
     import triton

@@ -17,8 +17,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-
-from .quant import blocks_of, dequantize_blocks
+from dspark_grpc.runtime.kernels.quant import blocks_of, dequantize_blocks
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType

@@ -14,9 +14,8 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+from dspark_grpc.runtime.drafting.markov import MarkovHead, run_chain, to_target
 from torch import Tensor
-
-from .markov import MarkovHead, run_chain, to_target
 
 
 @dataclass

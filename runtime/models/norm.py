@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from dspark_grpc.runtime.models import fixed_rows
 from torch import nn
-
-from . import fixed_rows
 
 
 class RMSNorm(nn.Module):

@@ -1,10 +1,10 @@
-// Attention for the compiled step's rows (runtime/compiled_step.py): first every row's new key and value are written
+// Attention for the compiled step's rows (runtime/kernels/compiled_step.py): first every row's new key and value are written
 // into its slot of the layer's K/V store (in place: as a mutation the graph's own index writes made inductor copy
 // the store), then each row's query heads attend to the first C rows of its slot, masked by its mask row, in
 // float32. A row is computed the same way whatever the other rows (batch invariance); keys are read in place.
 //
 // o[r, h] = sum_c softmax_c(q[r, h] . k[slot[r], h / G, c] / sqrt(D) | mask[r, c]) v[slot[r], h / G, c], G = H / KV.
-// Built with runtime/gguf_matmul.cpp by runtime/cpu_kernels.py, registered as torch.ops.dspark.row_attention.
+// Built with runtime/kernels/gguf_matmul.cpp by runtime/kernels/cpu_kernels.py, registered as torch.ops.dspark.row_attention.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

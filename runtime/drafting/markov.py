@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from dspark_grpc.runtime.drafting.acceptance import draft_sparse_distribution
+from dspark_grpc.runtime.drafting.sampling import multinomial
+from dspark_grpc.runtime.models.transformer import Embedding
 from dspark_grpc.speculation.wire import AUTO, FUSED, TORCH
 from torch import Tensor, nn
-
-from .acceptance import draft_sparse_distribution
-from .sampling import multinomial
-from .transformer import Embedding
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
 KERNELS = (AUTO, FUSED, TORCH)
@@ -296,7 +295,7 @@ def choose_kernel(requested: str, markov_kind: str | None, temperature: float, d
     assert requested in KERNELS, requested
     if requested == TORCH:
         return TORCH
-    from .markov_triton import triton_runnable
+    from dspark_grpc.runtime.kernels.markov_triton import triton_runnable
 
     fusable = markov_kind in (None, "vanilla") and temperature == 0
     if requested == "auto":
@@ -324,7 +323,7 @@ def draft_chain(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, an
     assert 0 <= temperature < float("inf"), temperature  # a request's temperature is checked by DraftEngine.propose
     check_chain_inputs(base_logits, anchor, markov, d2t, confidence)
     if choose_kernel(kernel, None if markov is None else markov.kind, temperature, base_logits.device) == FUSED:
-        from .markov_triton import markov_chain_fused
+        from dspark_grpc.runtime.kernels.markov_triton import markov_chain_fused
 
         return Chain(*markov_chain_fused(base_logits, hidden_pre, hidden_post, anchor, markov, confidence, d2t))
     if temperature == 0:

@@ -1,5 +1,6 @@
 """Row-wise ops on a CUDA device run in chunks of one fixed row count, so that a row's result never depends on how
-many rows ran beside it (a verify row equals its 1-row AR step bitwise, as on the CPU: runtime/batch_invariant.py).
+many rows ran beside it (a verify row equals its 1-row AR step bitwise, as on the CPU:
+runtime/models/batch_invariant.py).
 
 cuBLAS picks its GEMM kernel (tile, split-K) from the problem's shape, and a kernel with another reduction order
 rounds a row differently: a 1-row step and a 5-row verify of the same row could disagree in their last bits, and

@@ -1,10 +1,11 @@
 """The fast precision's own CPU kernels, as torch ops (torch.ops.dspark.*):
 
-- `gguf_matmul` (runtime/gguf_matmul.cpp): GGUF Q4_0/Q4_1/Q8_0 blocks multiplied as llama.cpp multiplies them.
+- `gguf_matmul` (runtime/kernels/gguf_matmul.cpp): GGUF Q4_0/Q4_1/Q8_0 blocks multiplied as llama.cpp multiplies them.
   The weights keep the file's bits (0.56-1.06 bytes per weight, read once per step); each activation row is
   quantized to int8 per block of 32 and the block dots are exact integer sums. Another precision than torch's int4
   kernel (bf16 activations), within the fast precision's tolerance.
-- `row_attention` (runtime/row_attention.cpp): the compiled step's attention, each row against its own slot's keys.
+- `row_attention` (runtime/kernels/row_attention.cpp): the compiled step's attention, each row against its own slot's
+keys.
 
 Both compute every output row the same way whatever the other rows (batch invariance, by construction). They are
 compiled once per machine with the system's g++ against torch's headers and kept beside the compiled step graphs;
@@ -28,15 +29,14 @@ import threading
 from pathlib import Path
 
 import torch
+from dspark_grpc.runtime.progress import still_working
 from dspark_grpc.speculation.cost_table import default_cache_dir
-
-from .progress import still_working
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_matmul.cpp", "row_attention.cpp"))
 # DSPARK_CPU_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_CPU_MARCH', 'native')}",
          "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
-ROWS = 16  # gguf_matmul's output rows side by side (runtime/quant.py: interleave_rows lays the weights out)
+ROWS = 16  # gguf_matmul's output rows side by side (runtime/kernels/quant.py: interleave_rows lays the weights out)
 
 
 def _cpu_flags() -> str:
@@ -93,7 +93,7 @@ def _load() -> str | None:
 
 def default_compile_cache() -> Path:
     """$DSPARK_COMPILE_CACHE, else ~/.cache/dspark-grpc/compiled: where the target and the engine bench keep the
-    compiled steps (runtime/compiled_step.py) and this module its built library."""
+    compiled steps (runtime/kernels/compiled_step.py) and this module its built library."""
     return default_cache_dir("compiled", "DSPARK_COMPILE_CACHE")
 
 
@@ -138,7 +138,7 @@ def _gguf_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: 
 
 def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., in] (float32 or bf16) @ W^T for W as runtime/quant.py's `interleave_rows` lays it out; [..., out]
+    """x [..., in] (float32 or bf16) @ W^T for W as runtime/kernels/quant.py's `interleave_rows` lays it out; [..., out]
     in `out_dtype` (default: x's dtype), out = 16 * codes.shape[0] (bias [out] float32 or None)."""
     return torch.ops.dspark.gguf_matmul(x, codes, d, m, qtype, bias, out_dtype or x.dtype)
 
@@ -153,5 +153,5 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: to
                   slots: torch.Tensor, write_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Writes k, v [R, KV, D] into one layer's K/V store [slots, KV, capacity, D] at (slots[r], write_rows[r]),
     then attends: q [R, H, D] bf16 against each row's slot's first C rows, mask [R, C] bool. Returns [R, H, D] bf16
-    (runtime/row_attention.cpp)."""
+    (runtime/kernels/row_attention.cpp)."""
     return torch.ops.dspark.row_attention(q, k, v, k_store, v_store, slots, write_rows, mask)

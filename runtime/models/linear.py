@@ -15,10 +15,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import (
+    GROUP,
+    BlockWeight,
+    Int4Weight,
+    QuantBlocks,
+    quantize_q8_0,
+    quantized_weight,
+)
+from dspark_grpc.runtime.models import fixed_rows
 from torch import nn
-
-from . import cpu_kernels, fixed_rows
-from .quant import GROUP, BlockWeight, Int4Weight, QuantBlocks, quantize_q8_0, quantized_weight
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 3
@@ -104,7 +111,7 @@ def _fused_bias(layers: Sequence[nn.Linear]) -> torch.Tensor | None:
 class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
 
-    A Linear given a GGUF's `blocks` (runtime/quant.py; its weight is then a meta tensor) runs on them
+    A Linear given a GGUF's `blocks` (runtime/kernels/quant.py; its weight is then a meta tensor) runs on them
     (`quantized_weight`), set up on first use (most run only inside a fused projection)."""
 
     packed: torch.Tensor | None = None
@@ -120,8 +127,8 @@ class Linear(nn.Linear):
 
 
 def matmul_kind(model: nn.Module) -> str:
-    """"gguf-blocks" when its Linears run on GGUF blocks with runtime/gguf_matmul.cpp, "int4-g32" with torch's int4
-    kernel, "onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it, so a
+    """"gguf-blocks" when its Linears run on GGUF blocks with runtime/kernels/gguf_matmul.cpp, "int4-g32" with torch's
+    int4 kernel, "onednn-packed" when `pack_linears` packed the model, else "aten" (cost tables are keyed by it, so a
     table profiled on one kind is never reused for another)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if any(m.blocks is not None for m in linears):
@@ -132,7 +139,8 @@ def matmul_kind(model: nn.Module) -> str:
 
 def quantize_linears(model: nn.Module) -> int:
     """Give every frozen `Linear` of `model` whose input size is a multiple of 32 its weight as Q8_0 blocks
-    (`quantize_q8_0`), so that it runs on runtime/gguf_matmul.cpp (int8 weights and activations; another precision,
+    (`quantize_q8_0`), so that it runs on runtime/kernels/gguf_matmul.cpp (int8 weights and activations; another
+    precision,
     for a model whose rounding decides no output token: a drafter). Nothing without the CPU kernels. Call before
     `pack_linears`; returns how many Linears got blocks."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is None and not m.weight.requires_grad

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-
-from .kv_cache import KVCache
-from .transformer import ForwardOutput, SequenceInput, Transformer
-from .tree import ancestor_mask, is_root_path, tree_depths
+from dspark_grpc.runtime.models.kv_cache import KVCache
+from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput, Transformer
+from dspark_grpc.runtime.models.tree import ancestor_mask, is_root_path, tree_depths
 
 Forward = Callable[[SequenceInput], ForwardOutput]
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
-from dspark_grpc.runtime.sampling import SamplingParams, draw_device, multinomial, sample, target_probs
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, draw_device, multinomial, sample, target_probs
 from torch import Tensor
 
 # How far the exp of a draft row's log-probs may sum from 1 (float32 log_softmax is ~1e-6 off).

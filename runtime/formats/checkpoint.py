@@ -16,8 +16,8 @@ by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, th
 columns): we undo that reordering.
 
 Precision: "exact" dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
-runtime/gguf_matmul.cpp's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
-`weights` is a meta tensor of the right shape) for runtime/quant.py's matmuls, and a tied embedding's blocks for
+runtime/kernels/gguf_matmul.cpp's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
+`weights` is a meta tensor of the right shape) for runtime/kernels/quant.py's matmuls, and a tied embedding's blocks for
 the lm_head (it is also dequantized, for the lookup); every other tensor is dequantized here (the model casts it
 to bf16). The services' default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3 GGUF.
 
@@ -39,13 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from .compiled_step import COMPILE_MODES, CompiledStep
-from .config import ModelConfig, config_from_gguf, config_from_hf
-from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
-from .quant import BLOCK_TYPES, QuantBlocks, block_types, blocks_of, int4_available
-from .safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
-from .transformer import Transformer
+from dspark_grpc.runtime.formats.gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.formats.safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, CompiledStep
+from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, QuantBlocks, block_types, blocks_of, int4_available
+from dspark_grpc.runtime.models.config import ModelConfig, config_from_gguf, config_from_hf
+from dspark_grpc.runtime.models.transformer import Transformer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRECISIONS = ("exact", "fast")
@@ -150,7 +149,8 @@ def auto_precision(path: str | os.PathLike[str], on_cpu: bool = True) -> tuple[s
     """The precision a model runs in by default, and why: "fast" for a llama/qwen2/qwen3 GGUF whose matrices are
     stored as blocks the fast precision multiplies (a quantized file, run as llama.cpp runs it), "exact" otherwise
     (an HF directory, a float GGUF, qwen35, a torch without the int4 kernel). Off the CPU (`on_cpu` False) the
-    blocks are dequantized to bf16 (runtime/device.py): neither the CPU kernels nor torch's int4 one are asked for."""
+    blocks are dequantized to bf16 (runtime/kernels/device.py): neither the CPU kernels nor torch's int4 one are asked
+    for."""
     p = Path(path)
     if not (p.is_file() and p.suffix == ".gguf"):
         return "exact", "not a GGUF file"
@@ -190,9 +190,10 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
     """The packed, frozen model for serving. "exact": `dtype` as given (float32 matches HF transformers). "fast":
     bf16 activations, int4 matmuls for the checkpoint's blocks, batch-invariant attention (a verify row equals
     its 1-row step bitwise, so greedy speculation equals greedy AR of this same model). compile "fast" or "max" (fast
-    precision only): AR steps and verifies run as compiled graphs (runtime/compiled_step.py), compiled here or
+    precision only): AR steps and verifies run as compiled graphs (runtime/kernels/compiled_step.py), compiled here or
     loaded from `compile_cache` (where a compiled step is saved for the next start). The weights are loaded on the
-    CPU, then moved to `device`. Off the CPU (runtime/device.py) a checkpoint has no blocks (load it with precision
+    CPU, then moved to `device`. Off the CPU (runtime/kernels/device.py) a checkpoint has no blocks (load it with
+    precision
     "exact"): "fast" is then its float matrices in bf16 on torch's matmuls with the same batch-invariant attention
     (whether torch's CUDA matmuls keep a verify row equal to its 1-row step is not yet tested), and compile is off."""
     if precision not in PRECISIONS:

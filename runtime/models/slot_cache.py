@@ -1,6 +1,6 @@
 """KV caches that live in one preallocated store per layer, [slots, num_kv_heads, capacity, head_dim].
 
-A compiled step (runtime/compiled_step.py) reads and writes every sequence of a batch through one fixed set of
+A compiled step (runtime/kernels/compiled_step.py) reads and writes every sequence of a batch through one fixed set of
 tensors: each sequence owns a slot, its rows are written by index and its keys gathered by slot. A `SlotCache`
 is a KVCache whose per-layer rows are views of its slot, so the eager paths (prompt chunks, commit compaction,
 rollback) work on it unchanged. The store grows by doubling (slots or capacity; capacity in BUCKET multiples,
@@ -14,10 +14,9 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-
-from .batch_invariant import BUCKET
-from .config import ModelConfig
-from .kv_cache import KVCache
+from dspark_grpc.runtime.models.batch_invariant import BUCKET
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.kv_cache import KVCache
 
 
 class WaitedLock:

@@ -26,12 +26,8 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-from .checkpoint import _GGUF_LAYER, _HF_LAYER, default_model_path, load_checkpoint
-from .config import ModelConfig
-from .drafter import Drafter
-from .drafter_config import (
+from dspark_grpc.runtime.formats.checkpoint import _GGUF_LAYER, _HF_LAYER, default_model_path, load_checkpoint
+from dspark_grpc.runtime.formats.drafter_config import (
     GGUF_ARCH,
     DrafterConfig,
     default_target_layer_ids,
@@ -39,8 +35,11 @@ from .drafter_config import (
     drafter_config_from_hf,
     layers_to_hf,
 )
-from .gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
-from .safetensors_reader import SINGLE_FILE, is_hf_dir, read_hf_config, read_safetensors
+from dspark_grpc.runtime.formats.gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
+from dspark_grpc.runtime.formats.safetensors_reader import SINGLE_FILE, is_hf_dir, read_hf_config, read_safetensors
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.drafter import Drafter
+from safetensors.torch import save_file
 
 LAYOUTS = ("zlab", "deepspec", "speculators")
 PathLike = str | os.PathLike[str]

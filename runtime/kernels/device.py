@@ -1,8 +1,9 @@
 """The device a service runs its model on (`--device auto|cpu|cuda[:N]`), and what falls back off the CPU.
 
-The fast precision's GGUF block kernels (runtime/gguf_matmul.cpp) and the compiled step (runtime/compiled_step.py)
+The fast precision's GGUF block kernels (runtime/kernels/gguf_matmul.cpp) and the compiled step
+(runtime/kernels/compiled_step.py)
 are CPU-only: on another device the target runs the same precision on torch's matmuls, eagerly (no CUDA graphs yet),
-its row-wise ops in fixed-size chunks (runtime/fixed_rows.py). The CUDA paths are written device-clean
+its row-wise ops in fixed-size chunks (runtime/models/fixed_rows.py). The CUDA paths are written device-clean
 (tests/runtime/test_device.py runs the forwards with the model on the meta device) and `make gpu-check` runs them on
 a GPU (figures: docs/bench/gpu-check.md).
 """

@@ -14,15 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from dspark_grpc.runtime.drafting.markov import ConfidenceHead, MarkovHead
+from dspark_grpc.runtime.formats.drafter_config import DrafterConfig
+from dspark_grpc.runtime.models.kv_cache import CacheFullError, KVCache
+from dspark_grpc.runtime.models.linear import Linear, pack_linears, quantize_linears
+from dspark_grpc.runtime.models.norm import RMSNorm
+from dspark_grpc.runtime.models.rope import rope_cos_sin, rope_inv_freq
+from dspark_grpc.runtime.models.transformer import Block, Embedding, Segment
 from torch import Tensor, nn
-
-from .drafter_config import DrafterConfig
-from .kv_cache import CacheFullError, KVCache
-from .linear import Linear, pack_linears, quantize_linears
-from .markov import ConfidenceHead, MarkovHead
-from .norm import RMSNorm
-from .rope import rope_cos_sin, rope_inv_freq
-from .transformer import Block, Embedding, Segment
 
 MARKOV_BIAS_CACHE = 1024  # previous tokens whose Markov bias a packed drafter keeps (32 MB at 8192 draft tokens)
 
@@ -89,7 +88,7 @@ class Drafter(nn.Module):
         return self.fc.weight.dtype
 
     def pack(self, quantize: bool = False) -> Drafter:
-        """Pre-pack the projections for CPU inference (runtime/linear.py; `quantize`: as Q8_0 blocks on our CPU
+        """Pre-pack the projections for CPU inference (runtime/models/linear.py; `quantize`: as Q8_0 blocks on our CPU
         kernels, where they build) and cache a vanilla Markov head's biases (MarkovHead.cache_biases); frozen
         drafters only."""
         if quantize:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from .batch_invariant import BUCKET
-from .config import ModelConfig
-from .linear_attention import PendingRows, delta_rule
+from dspark_grpc.runtime.models.batch_invariant import BUCKET
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.linear_attention import PendingRows, delta_rule
 
 
 class CacheFullError(ValueError):
@@ -17,7 +16,7 @@ class CacheFullError(ValueError):
 
 def _storage(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """Zeros [H, n, D] as a view of [H, n rounded up to BUCKET, D]: batch-invariant attention reads the rows past
-    the written ones, masked, up to its padded key length (runtime/batch_invariant.py); they must be finite."""
+    the written ones, masked, up to its padded key length (runtime/models/batch_invariant.py); they must be finite."""
     h, n, d = shape
     return torch.zeros(h, -(-n // BUCKET) * BUCKET, d, dtype=dtype, device=device)[:, :n]
 
@@ -157,7 +156,7 @@ class LayerKV:
 
 
 class LinearState:
-    """One linear-attention layer's state for one sequence (runtime/linear_attention.py): the committed recurrent
+    """One linear-attention layer's state for one sequence (runtime/models/linear_attention.py): the committed recurrent
     state [Hv, dk, dv] (float32) and conv window [K-1, C], and the last forward's rows, pending until a commit.
 
     The pending rows keep every row's state while that costs at most `budget` bytes (drafts and AR steps); above

@@ -1,5 +1,5 @@
 """Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, and the qwen35 hybrid (Qwen3.5: Gated DeltaNet
-linear-attention layers between gated full-attention layers; runtime/linear_attention.py).
+linear-attention layers between gated full-attention layers; runtime/models/linear_attention.py).
 
 One forward runs one sequence's new rows, or several sequences' rows concatenated (a ragged batch): the
 projections, MLPs and lm_head run once over all rows (one read of the weights), attention runs per sequence
@@ -15,20 +15,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+from dspark_grpc.runtime.kernels.quant import BlockWeight, QuantBlocks
+from dspark_grpc.runtime.models.batch_invariant import RowPlan, attention_by_row, plan_rows, row_keys
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.kv_cache import CacheFullError, HybridCache, KVCache
+from dspark_grpc.runtime.models.linear import FusedProjection, Linear, linear, pack_linears, pack_weight
+from dspark_grpc.runtime.models.linear_attention import GatedDeltaNet, parents_from_mask
+from dspark_grpc.runtime.models.norm import RMSNorm
+from dspark_grpc.runtime.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from torch import nn
 
-from .batch_invariant import RowPlan, attention_by_row, plan_rows, row_keys
-from .config import ModelConfig
-from .kv_cache import CacheFullError, HybridCache, KVCache
-from .linear import FusedProjection, Linear, linear, pack_linears, pack_weight
-from .linear_attention import GatedDeltaNet, parents_from_mask
-from .norm import RMSNorm
-from .quant import BlockWeight, QuantBlocks
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
-
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .compiled_step import CompiledStep
+    from dspark_grpc.runtime.formats.checkpoint import Checkpoint
+    from dspark_grpc.runtime.kernels.compiled_step import CompiledStep
 
 
 class KVSource(Protocol):
@@ -225,9 +224,10 @@ class Transformer(nn.Module):
         self.head_blocks: QuantBlocks | None = None  # a tied embedding as the file stores it (fast precision)
         self.quantized_lm_head: BlockWeight | None = None
         # Verify rows and AR steps attend row by row, so that a verify row equals its 1-row step bitwise
-        # (runtime/batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
+        # (runtime/models/batch_invariant.py); prompt chunks (no mask given) run whole. Set for the fast precision.
         self.batch_invariant = False
-        self.compiled: CompiledStep | None = None  # the fast precision's compiled steps (runtime/compiled_step.py)
+        self.compiled: CompiledStep | None = None  # the fast precision's compiled steps
+        # (runtime/kernels/compiled_step.py)
         self.init_rope()
 
     def init_rope(self) -> None:
@@ -245,7 +245,7 @@ class Transformer(nn.Module):
             model = cls(ckpt.config)
         weights = {k: v.to(dtype) for k, v in ckpt.weights.items()}
         model.load_state_dict(weights, strict=True, assign=True)
-        for name, blocks in ckpt.blocks.items():  # quantized matmuls once packed (runtime/linear.py)
+        for name, blocks in ckpt.blocks.items():  # quantized matmuls once packed (runtime/models/linear.py)
             model.get_submodule(name.removesuffix(".weight")).blocks = blocks
         model.head_blocks = ckpt.head_blocks
         model.init_rope()
@@ -275,7 +275,8 @@ class Transformer(nn.Module):
         return linear(x, self.tok_embeddings.weight, packed=self.packed_lm_head)
 
     def pack(self) -> Transformer:
-        """Pre-pack the projections and the (tied) lm_head for CPU inference (runtime/linear.py); frozen models only."""
+        """Pre-pack the projections and the (tied) lm_head for CPU inference (runtime/models/linear.py); frozen models
+        only."""
         pack_linears(self)
         if self.output is None and self.head_blocks is not None:
             self.quantized_lm_head = BlockWeight.of([self.head_blocks])

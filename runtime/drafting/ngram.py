@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .ddtree import DraftTree
+from dspark_grpc.runtime.drafting.ddtree import DraftTree
 
 SOURCE_ROOT, SOURCE_BASE, SOURCE_NGRAM, SOURCE_BOTH = 0, 1, 2, 3
 

@@ -142,7 +142,7 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> TextTokenizer:
-        from .gguf_reader import open_gguf, read_gguf_metadata
+        from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
 
         return cls.from_gguf_metadata(read_gguf_metadata(open_gguf(path)))
 

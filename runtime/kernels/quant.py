@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING
 
 import gguf
 import torch
-
-from . import cpu_kernels
+from dspark_grpc.runtime.kernels import cpu_kernels
 
 if TYPE_CHECKING:
-    from .gguf_reader import GGUFTensor
+    from dspark_grpc.runtime.formats.gguf_reader import GGUFTensor
 
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
-BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/gguf_matmul.cpp multiplies as stored
+BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/kernels/gguf_matmul.cpp multiplies as stored
 GROUP = 32
 
 
@@ -60,7 +59,7 @@ def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = I
 def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
     """A float [out, in] weight (in % 32 == 0) as Q8_0 blocks, as llama.cpp's quantizer writes them (the gguf
     package's): d = max |w| / 127 per block of 32 in float16, q = round(w / d). For weights no file gave as blocks
-    (a drafter's), so that they run on runtime/gguf_matmul.cpp."""
+    (a drafter's), so that they run on runtime/kernels/gguf_matmul.cpp."""
     assert weight.dim() == 2 and weight.shape[1] % GROUP == 0, weight.shape
     data = gguf.quantize(weight.detach().float().cpu().numpy(), Q.Q8_0)
     return QuantBlocks(Q.Q8_0, torch.from_numpy(data).view(torch.uint8).reshape(weight.shape[0], -1),
@@ -131,8 +130,8 @@ def q8_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The layout runtime/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4) or
-    512 (Q8)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0). out % 16 == 0."""
+    """The layout runtime/kernels/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4)
+    or 512 (Q8)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0). out % 16 == 0."""
     out, inp = blocks.shape
     rows = cpu_kernels.ROWS
     nb, groups = inp // GROUP, out // rows
@@ -155,8 +154,8 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, to
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/gguf_matmul.cpp's kernel
-    (int8 activations per block of 32, as llama.cpp does)."""
+    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/kernels/gguf_matmul.cpp's
+    kernel (int8 activations per block of 32, as llama.cpp does)."""
 
     codes: torch.Tensor
     d: torch.Tensor

@@ -1,6 +1,7 @@
 """The fast precision's decode step as one compiled graph (torch.compile, inductor): AR steps and verifies.
 
-A step is R rows of any number of sequences, each sequence in its own slot of a SlotStore (runtime/slot_cache.py).
+A step is R rows of any number of sequences, each sequence in its own slot of a SlotStore
+(runtime/models/slot_cache.py).
 Per layer the graph writes the rows' K/V into their slots by index and runs attention with every row as its own
 batch element: the row's query against its slot's first C keys, masked by its mask row. So a row computes the
 same thing whatever the other rows are, and C only adds masked keys. One graph serves every shape (dynamic R and C,
@@ -9,8 +10,10 @@ store's slot count and capacity: the model's tensors are marked static and every
 layer's (each size is a graph argument, read in Python at every call). Batch invariance (a verify row equals its
 1-row AR step bitwise) then rests on the kernels and on the inductor rounding every bf16 intermediate as eager does
 (`emulate_precision_casts`; without it, fused kernels keep float32 intermediates and the two graphs fuse
-differently). Attention is runtime/row_attention.cpp's kernel (each row against its slot's keys, read in place) where
-runtime/cpu_kernels.py builds, else two float32 matmuls over the gathered keys and a softmax; not SDPA: with the CPU
+differently). Attention is runtime/kernels/row_attention.cpp's kernel (each row against its slot's keys, read in place)
+where
+runtime/kernels/cpu_kernels.py builds, else two float32 matmuls over the gathered keys and a softmax; not SDPA: with
+the CPU
 flash kernel a row of a 5-row step at one position of a SmolLM2 run differed from its AR step (rows of 2-4 did not).
 tests/runtime/test_compiled_step.py checks it for 1-row and wider steps, several C and tree masks.
 
@@ -38,16 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-from .batch_invariant import BUCKET
-from .progress import still_working
-from .quant import BlockWeight
-from .rope import rope_cos_sin, rotate_half
-from .slot_cache import SlotCache, SlotStore
-from .transformer import ForwardOutput, SequenceInput
+from dspark_grpc.runtime.kernels.quant import BlockWeight
+from dspark_grpc.runtime.models.batch_invariant import BUCKET
+from dspark_grpc.runtime.models.rope import rope_cos_sin, rotate_half
+from dspark_grpc.runtime.models.slot_cache import SlotCache, SlotStore
+from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput
+from dspark_grpc.runtime.progress import still_working
 
 if TYPE_CHECKING:
-    from .transformer import Transformer
+    from dspark_grpc.runtime.models.transformer import Transformer
 
 COMPILE_MODES = ("off", "fast", "max")  # max: inductor's C++ wrapper (a longer compile, a faster step)
 WARMUP_ROWS = (2, 1)  # the graph is traced on the first (R = 1 would specialize it); the second checks R = 1
@@ -66,7 +68,8 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
     x = model.tok_embeddings(tokens)
     cos, sin = rope[0, positions], rope[1, positions]
-    own_kernels = isinstance(model.layers[0].attention.qkv.quantized, BlockWeight)  # runtime/cpu_kernels.py built
+    own_kernels = isinstance(model.layers[0].attention.qkv.quantized, BlockWeight)  # runtime/kernels/cpu_kernels.py
+    # built
     bias = None if own_kernels else torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
     for t in (*ks, *vs):  # one slot count and one capacity for all: two sizes for the step's caller to pass, not 120
         torch._check(t.shape[0] == ks[0].shape[0])
@@ -147,11 +150,12 @@ def artifact_key(model: Transformer, mode: str = "fast") -> str:
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
-    if matmul == "BlockWeight":  # runtime/cpu_kernels.py's signatures (not their code: the graph calls them by name)
+    if matmul == "BlockWeight":  # cpu_kernels.py's signatures (not their code: the graph calls them by name)
         parts += [str(op.default._schema) for op in (torch.ops.dspark.gguf_matmul, torch.ops.dspark.row_attention)]
     for part in parts:
         h.update(part.encode() + b"\0")
-    for source in sorted(Path(__file__).parent.glob("*.py")):  # the model code the graph is traced from
+    runtime = Path(__file__).parents[1]
+    for source in sorted([*runtime.glob("models/*.py"), *runtime.glob("kernels/*.py")]):  # what the graph traces
         h.update(source.read_bytes())
     return h.hexdigest()[:20]
 

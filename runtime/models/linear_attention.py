@@ -20,15 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.linear import FusedProjection, Linear
+from dspark_grpc.runtime.models.norm import RMSNorm
+from dspark_grpc.runtime.models.tree import ancestor_mask, tree_depths
 from torch import nn
 
-from .config import ModelConfig
-from .linear import FusedProjection, Linear
-from .norm import RMSNorm
-from .tree import ancestor_mask, tree_depths
-
 if TYPE_CHECKING:
-    from .transformer import Segment
+    from dspark_grpc.runtime.models.transformer import Segment
 
 
 CHUNKED_MIN_ROWS = 64  # a prompt chunk this long (plus TAIL) runs the chunked form of the delta rule

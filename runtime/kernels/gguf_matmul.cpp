@@ -2,7 +2,7 @@
 // activation row is quantized to int8 per block of 32 (scale = max|x| / 127), the block dots are exact integer
 // sums, scaled by d_w * d_x and accumulated in float32; Q4's offsets m add m * (the block's float sum of x).
 //
-// The weights come repacked by runtime/quant.py (BlockWeight): 16 output rows side by side, so that each 32-bit lane
+// The weights come repacked by runtime/kernels/quant.py (BlockWeight): 16 output rows side by side, so that each 32-bit lane
 // of a register holds 4 codes of one row and a register of dots covers 16 outputs (no horizontal sums). Per group
 // of 16 rows and block: codes [4][16 rows][4] bytes for Q4 (low nibbles elements 8i..8i+3, high nibbles 8i+4..8i+7
 // of chunk i) or [8][16 rows][4] int8 for Q8 (elements 4j..4j+3 of chunk j), then d and m as fp16 [16 rows].
@@ -10,7 +10,7 @@
 // Every (row, output) is computed by the same instructions in the same order whatever the number of rows and
 // whichever thread or tile takes it: a row of an M-row call equals its 1-row call bitwise (batch invariance).
 // Two implementations, chosen when it is built for the CPU: AVX-512 VNNI and AVX2.
-// Built by runtime/cpu_kernels.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
+// Built by runtime/kernels/cpu_kernels.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

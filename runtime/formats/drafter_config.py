@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .config import ModelConfig, RopeScaling, _f32, _yarn_attention_factor, config_from_hf
+from dspark_grpc.runtime.models.config import ModelConfig, RopeScaling, _f32, _yarn_attention_factor, config_from_hf
 
 SlotConvention = Literal["dspark", "dflash"]
 SLOT_CONVENTIONS = ("dspark", "dflash")
@@ -115,7 +115,7 @@ class DrafterConfig:
         return len(self.target_layer_ids) * self.target_hidden_size
 
     def layer_model_config(self) -> ModelConfig:
-        """The draft layers as a qwen3 ModelConfig (q/k norm, no biases) for runtime.transformer.Block."""
+        """The draft layers as a qwen3 ModelConfig (q/k norm, no biases) for runtime.models.transformer.Block."""
         return ModelConfig(
             architecture="qwen3",
             name=self.name,

@@ -6,8 +6,7 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-from .config import RopeScaling
+from dspark_grpc.runtime.models.config import RopeScaling
 
 
 def rope_inv_freq(

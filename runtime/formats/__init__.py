@@ -1,0 +1,1 @@
+"""Reading models from files: GGUF and safetensors readers, checkpoints, drafter formats, tokenizers."""
