@@ -1,6 +1,7 @@
 """Confidence calibration (STS, dspark_algorithm.md §3): c_k = sigmoid(l_k / T_k), one temperature per draft
 position, fitted left to right by a 1-D grid search that minimises the ECE of the cumulative survival
-a_j = prod_{i <= j} c_i against "the first j + 1 drafts were all accepted" on held-out chains."""
+a_j = prod_{i <= j} c_i against "the first j + 1 drafts were all accepted" on held-out chains, then each kept only
+where it lowers that ECE on other held-out chains."""
 
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def fit_temperatures(confidence_logits: Tensor, accepted: Tensor, grid: Sequence
         best = candidates[min(range(len(candidates)), key=lambda i: (scores[i], i))]
         temps.append(best)
         prefix = prefix * torch.sigmoid(logits[:, k] / best)
+    return temps
+
+
+def validated_temperatures(confidence_logits: Tensor, accepted: Tensor, fitted: Sequence[float],
+                           bins: int = 15) -> list[float]:
+    """`fitted` (from other chains) checked on these chains, left to right: a position keeps its fitted temperature
+    only where its survival's ECE is lower with it than with 1 (given the positions before it), else 1. A fit on few
+    chains can land far out on the grid (the rare late positions) and miscalibrate what it was meant to fix."""
+    A, K = confidence_logits.shape
+    assert accepted.shape == (A,) and len(fitted) == K and A > 0, (accepted.shape, len(fitted), K)
+    labels, logits = survival_labels(accepted, K), confidence_logits.float()
+    prefix, temps = torch.ones(A, device=logits.device), []
+    for k in range(K):
+        options = [float(fitted[k]), 1.0]
+        scores = [ece(prefix * torch.sigmoid(logits[:, k] / t), labels[:, k], bins) for t in options]
+        temps.append(options[0] if scores[0] < scores[1] else 1.0)
+        prefix = prefix * torch.sigmoid(logits[:, k] / temps[-1])
     return temps
 
 

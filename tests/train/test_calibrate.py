@@ -14,6 +14,7 @@ from dspark_grpc.runtime.train.calibrate import (
     survival,
     survival_ece,
     survival_labels,
+    validated_temperatures,
 )
 
 from .conftest import tiny_config
@@ -50,6 +51,20 @@ def test_fit_lowers_the_ece_of_an_overconfident_head():
     assert max(after) < 0.03 and 2.0 <= temps[0] <= 4.5
     # an already calibrated head keeps temperatures near 1
     assert 0.7 <= fit_temperatures(true_logits, accepted)[0] <= 1.4
+
+
+def test_a_fitted_temperature_is_kept_only_where_it_helps_on_other_chains():
+    """Position 0 fitted well (the head is 3x too sharp there), position 1 fitted far off the grid's middle (as a fit
+    on a few late-position chains can land): the first is kept, the second falls back to 1."""
+    g = torch.Generator().manual_seed(1)
+    A, K = 4000, 2
+    true_logits = torch.randn(A, K, generator=g) * 1.5 + 0.5
+    accepted = (torch.rand(A, K, generator=g) < torch.sigmoid(true_logits)).long().cumprod(1).sum(1)
+    raw = torch.stack([true_logits[:, 0] * 3.0, true_logits[:, 1]], dim=1)
+    fitted = [3.0, 8.0]
+    assert survival_ece(raw, accepted, [3.0, 8.0])[1] > survival_ece(raw, accepted, [3.0, 1.0])[1]  # 8 hurts here
+    assert validated_temperatures(raw, accepted, fitted) == [3.0, 1.0]
+    assert validated_temperatures(raw, accepted, [1.0, 1.0]) == [1.0, 1.0]
 
 
 def test_temperatures_travel_with_the_drafter(tmp_path):
