@@ -116,6 +116,17 @@ class StepDraft:
         return StepDraft(common_pb2.TokenTree(tokens=[pending], parents=[-1]), [0])
 
 
+@dataclasses.dataclass
+class ServedSession:
+    """What the servicer keeps of a session beside the engine's TargetSession: when its last step (or its prefill)
+    ended, for the mode chooser; and, when it steps with a drafter, its drafting state and the drafter it drafts on
+    (that drafter's rounds; another one of the pool after a failure)."""
+
+    step_ended: tuple[float, int | None, int] | None = None  # (when, the arm it ran, the engine's prefill epoch then)
+    drafting: SessionDrafting | None = None
+    rounds: DraftRounds | None = None
+
+
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, max_message_bytes: int, drafter_address: str | None = None,
                  default_mode: int = common_pb2.DECODE_MODE_ADAPTIVE, draft_timeout: float = 10.0,
@@ -141,10 +152,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
         # one drafter, or a pool ("host:port,host:port" or "dns:///NAME:PORT"): each session drafts on one of them
         self.drafters = DrafterPool(drafter_address, start_drafter) if drafter_address else None
-        self.session_rounds: dict[str, DraftRounds] = {}  # each drafting session's drafter (its rounds)
+        self.served: dict[str, ServedSession] = {}  # what the servicer keeps of a session, by id
         self.round_calibration = RoundCalibration()
         self._costs: tuple[list, list[common_pb2.CostTable], VerifyCosts] | None = None  # see _cost_tables
-        self.drafting: dict[str, SessionDrafting] = {}  # sessions that step with the drafter, by id
         # draft ahead: a session's next proposal is asked for as soon as its step commits
         self.draft_ahead = draft_ahead
         self.default_mode = default_mode
@@ -152,8 +162,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         # adaptive mode: speculate or AR, per load (its cost table set at load); it learns from every session's
         # steps, whatever its mode: an AR session's step is a sample of AR as much as an adaptive one's
         self.chooser = ModeChooser()
-        # per session: when its last step (or its prefill) ended, and whether it speculated
-        self.step_ended: dict[str, tuple[float, int | None, int]] = {}  # and the engine's prefill epoch then
+
+    def _drafting(self, session_id: str) -> SessionDrafting | None:
+        served = self.served.get(session_id)
+        return served.drafting if served is not None else None
 
     def ready_engine(self) -> TargetEngine:
         if self.engine is None:
@@ -192,11 +204,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self._stop_drafting(sid)
 
     def _stop_drafting(self, session_id: str) -> None:
-        self.step_ended.pop(session_id, None)
-        drafting = self.drafting.pop(session_id, None)
-        rounds = self.session_rounds.pop(session_id, None)
-        if drafting is None or rounds is None:
+        served = self.served.pop(session_id, None)
+        if served is None or served.drafting is None or served.rounds is None:
             return
+        drafting, rounds = served.drafting, served.rounds
         rounds.unexpect(session_id)
         if (op := drafting.finish()) is not None:
             rounds.release(drafting, op, after=drafting.next.reply if drafting.next is not None else None)
@@ -248,8 +259,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             out = engine.prefill(m.session_id, prompt_from_proto(m.prompt), sampling_from_proto(m.sampling),
                                  max_capture_bytes=self.max_reply_bytes)
             capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
-            self.step_ended[m.session_id] = (time.perf_counter(), None, engine.prefill_state()[0])
-            drafting = self.drafting.get(m.session_id)
+            served = self.served.setdefault(m.session_id, ServedSession())
+            served.step_ended = (time.perf_counter(), None, engine.prefill_state()[0])
+            drafting = served.drafting
             if drafting is not None:  # the captures go to the drafter (with the first round), not to the client
                 drafting.sampling.CopyFrom(m.sampling)
                 drafting.append(0, list(out.prompt_tokens), capture)
@@ -260,7 +272,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if request.step.tokens_left < 0:
                 raise InvalidArgument(f"step.tokens_left must be >= 0 (0 = no bound), got {request.step.tokens_left}")
             return dict(stepped=self._step(engine, request.step.session_id, request.step.tokens_left))
-        if op in ("verify", "commit") and getattr(request, op).session_id in self.drafting:
+        if op in ("verify", "commit") and self._drafting(getattr(request, op).session_id) is not None:
             raise FailedPrecondition(f"this session steps with the target's drafter (OpenSession.step_options): "
                                      f"send Step, not {op}; open a session without step_options to verify trees of "
                                      "your own")
@@ -293,7 +305,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             return dict(committed=target_pb2.Committed(**committed_fields(layers, out)))
         if op == "rollback":
             length, pending = engine.rollback(request.rollback.session_id, request.rollback.length)
-            if (drafting := self.drafting.get(request.rollback.session_id)) is not None:
+            if (drafting := self._drafting(request.rollback.session_id)) is not None:
                 drafting.rollback(length)
             return dict(rolled_back=target_pb2.RolledBack(length=length, pending_token=pending))
         if op == "release":
@@ -303,7 +315,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         raise InvalidArgument("empty request: set one of open, prefill, verify, commit, rollback, release, step")
 
     def _open(self, engine: TargetEngine, m: target_pb2.OpenSession, owner: object) -> target_pb2.SessionOpened:
-        for gone in [sid for sid in list(self.step_ended) if sid not in engine.sessions]:  # evicted while idle
+        for gone in [sid for sid in list(self.served) if sid not in engine.sessions]:  # evicted while idle
             self._stop_drafting(gone)
         layers = list(m.capture_layer_ids)
         drafter = (m.drafter_target.model, m.drafter_target.tokenizer) if m.HasField("drafter_target") else None
@@ -345,9 +357,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             info = picked.link.info or info
             fingerprint = common_pb2.Fingerprint(model=engine.fingerprint[0], tokenizer=engine.fingerprint[1])
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
-            self.session_rounds[sid] = picked.rounds
-            drafting = self.drafting[sid] = SessionDrafting.start(sid, options, info, fingerprint, self.chooser,
-                                                                  picked.rounds.generation, self.drafters.several)
+            drafting = SessionDrafting.start(sid, options, info, fingerprint, self.chooser, picked.rounds.generation,
+                                             self.drafters.several)
+            self.served[sid] = ServedSession(drafting=drafting, rounds=picked.rounds)
             drafting.encode_rows = functools.partial(capture_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
@@ -358,7 +370,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """One step: the drafter's proposal from a round (unless AR), one verify, the commit; the committed rows'
         captures are queued for the drafter's next round. `tokens_left` (0: no bound) bounds the tokens this step
         and the ones after it can emit."""
-        drafting = self.drafting.get(sid)
+        served = self.served.get(sid)
+        drafting = served.drafting if served is not None else None
         if drafting is not None:
             drafting.in_step = True
         try:
@@ -366,7 +379,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         finally:  # no round asked for: the next one must not wait for this session
             if drafting is not None:
                 drafting.in_step = False
-            rounds = self.session_rounds.get(sid)
+            rounds = served.rounds if served is not None else None
             if rounds is not None and (drafting is None or drafting.next is None or drafting.next.reply is None):
                 rounds.unexpect(sid)
 
@@ -438,7 +451,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.draft_ready = report.draft_from_chain = True
             proposal = planned.from_chain
             # other sessions' round under way: verify with them, not alone beside their drafter pass
-            self.session_rounds[sid].wait_for_round(NEXT_ROUND_WAIT_S)
+            self.served[sid].rounds.wait_for_round(NEXT_ROUND_WAIT_S)
             reply_depth = self._chain_depths([proposal])[0]
         else:
             if planned.reply is not None:  # drafted ahead
@@ -446,7 +459,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 ops, reply = planned.ops, planned.reply.result()
             else:
                 ops = drafting.round_ops(pending, length, planned.arm)
-                reply = self.session_rounds[sid].submit(RoundJob(drafting, ops))
+                reply = self.served[sid].rounds.submit(RoundJob(drafting, ops))
             proposal = drafting.read_round(ops, reply.replies, pending) if reply.replies is not None else None
             if reply.replies is None:
                 self._drafter_failed(drafting, reply.error)
@@ -474,11 +487,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         alike). A sample goes to the sessions live now, not to the chooser's `load` (the most in the last second,
         which decides): the tail of a run, fewer sessions and faster steps, would otherwise raise the rate of
         whichever arm ran it at the load before, and fool the next comparison there."""
-        started, arm_before, epoch_before = self.step_ended.get(sid, (None, None, 0))
-        if started is None:
+        served = self.served.get(sid)
+        if served is None or served.step_ended is None:  # released meanwhile, or never prefilled
             return
+        started, arm_before, epoch_before = served.step_ended
         epoch, running = engine.prefill_state()
-        self.step_ended[sid] = (ended, arm, epoch)
+        served.step_ended = (ended, arm, epoch)
         if arm_before in (None, arm) and epoch == epoch_before and not running:
             self.chooser.observe(arm, len(engine.sessions), committed, ended - started, committed - 1, rows,
                                  draft_seconds)
@@ -496,11 +510,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """The session's round did not come back (its drafter went away, stalled, or lost the stream): it re-opens on
         another drafter of the pool with its context, or continues target-only. This step is AR either way."""
         sid = drafting.session_id
-        last = self.session_rounds[sid]
+        served = self.served[sid]
+        last = served.rounds
         other = self.drafters.pick(sid, besides=last) if self.drafters is not None else None
         if other is not None and drafting.reopen(why, other.address):
             last.unexpect(sid)
-            self.session_rounds[sid] = other.rounds
+            served.rounds = other.rounds
         else:
             drafting.fail(why)
 
@@ -515,7 +530,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if from_chain is not None:
             return NextStep(arm, from_chain=from_chain)
         ops = drafting.round_ops(anchor, position, arm)
-        rounds = self.session_rounds[drafting.session_id]
+        rounds = self.served[drafting.session_id].rounds
         return NextStep(arm, ops, rounds.submit_ahead(RoundJob(drafting, ops, verify_follows=False)))
 
     # -- single-call generation ---------------------------------------------------------------------
