@@ -133,15 +133,19 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
   for (int64_t g = 0; g < G; ++g) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < LANES; ++l) top = std::max(top, best[g][l]);
-    fvec total = {};
     for (int64_t b = 0; b < blocks; ++b) {
       fvec s;
       std::memcpy(&s, &scores[(g * blocks + b) * LANES], sizeof(s));
       const fvec p = exp_nonpositive(s - top);
-      total += p;
       std::memcpy(&scores[(g * blocks + b) * LANES], &p, sizeof(p));
     }
-    fvec one[LANES] = {total};
+    // The probabilities' sum, each in the lane of its key's rank among the seen keys (not of its slot): a tree row
+    // whose ancestors sit among masked rows then sums exactly as the AR step that sees them side by side.
+    float ranked[LANES] = {};
+    for (int64_t c = 0, n = 0; c < C; ++c)
+      if (mask[c]) ranked[n++ % LANES] += scores[g * blocks * LANES + c];
+    fvec one[LANES] = {};
+    std::memcpy(&one[0], ranked, sizeof(ranked));
     sums[g] = splat(lane_sums(one)[0]);
   }
   for (int64_t c = 0; c < C; ++c) {
