@@ -172,8 +172,7 @@ def _accept(logits: Tensor, tokens: Tensor, q: Tensor, params: SamplingParams,
     q_m = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1).gather(1, rows).squeeze(1)
     residual = (p_m - q_m).clamp_(min=0)
     dist = torch.where(residual.sum(dim=-1, keepdim=True) > RESIDUAL_FLOOR, residual, p_m)
-    bonus = multinomial(dist, generator).squeeze(-1)
-    return m, bonus.to(logits.device)
+    return m, multinomial(dist, generator).squeeze(-1)
 
 
 def draft_sparse_distribution(corrected_logits: Tensor, temperature: float, top_k: int,

@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fixed_rows.applies(x) and x.dim() > 1:
+        if fixed_rows.applies(x):
             return fixed_rows.by_fixed_rows(self._forward, x)
         return self._forward(x)
 

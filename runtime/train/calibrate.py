@@ -43,18 +43,7 @@ def fit_temperatures(confidence_logits: Tensor, accepted: Tensor, grid: Sequence
                      bins: int = 15) -> list[float]:
     """Per-position temperatures, left to right, each minimising the ECE of the survival up to its position given
     the temperatures already chosen (ties go to the temperature closest to 1)."""
-    A, K = confidence_logits.shape
-    assert accepted.shape == (A,) and A > 0, (accepted.shape, A)
-    labels = survival_labels(accepted, K)
-    logits = confidence_logits.float()
-    candidates = sorted(grid, key=lambda t: (abs(math.log(t)), t))
-    prefix, temps = torch.ones(A, device=logits.device), []
-    for k in range(K):
-        scores = [ece(prefix * torch.sigmoid(logits[:, k] / t), labels[:, k], bins) for t in candidates]
-        best = candidates[min(range(len(candidates)), key=lambda i: (scores[i], i))]
-        temps.append(best)
-        prefix = prefix * torch.sigmoid(logits[:, k] / best)
-    return temps
+    return _left_to_right(confidence_logits, accepted, [grid] * confidence_logits.shape[1], bins)
 
 
 def validated_temperatures(confidence_logits: Tensor, accepted: Tensor, fitted: Sequence[float],
@@ -62,14 +51,22 @@ def validated_temperatures(confidence_logits: Tensor, accepted: Tensor, fitted: 
     """`fitted` (from other chains) checked on these chains, left to right: a position keeps its fitted temperature
     only where its survival's ECE is lower with it than with 1 (given the positions before it), else 1. A fit on few
     chains can land far out on the grid (the rare late positions) and miscalibrate what it was meant to fix."""
+    assert len(fitted) == confidence_logits.shape[1], (len(fitted), confidence_logits.shape)
+    return _left_to_right(confidence_logits, accepted, [(float(t), 1.0) for t in fitted], bins)
+
+
+def _left_to_right(confidence_logits: Tensor, accepted: Tensor, options: Sequence[Sequence[float]],
+                   bins: int) -> list[float]:
+    """Per position k, the temperature among options[k] whose survival up to k has the lowest ECE, given those
+    chosen before it (ties go to the one closest to 1)."""
     A, K = confidence_logits.shape
-    assert accepted.shape == (A,) and len(fitted) == K and A > 0, (accepted.shape, len(fitted), K)
+    assert accepted.shape == (A,) and A > 0 and len(options) == K, (accepted.shape, A, len(options), K)
     labels, logits = survival_labels(accepted, K), confidence_logits.float()
     prefix, temps = torch.ones(A, device=logits.device), []
     for k in range(K):
-        options = [float(fitted[k]), 1.0]
-        scores = [ece(prefix * torch.sigmoid(logits[:, k] / t), labels[:, k], bins) for t in options]
-        temps.append(options[0] if scores[0] < scores[1] else 1.0)
+        candidates = sorted(options[k], key=lambda t: (abs(math.log(t)), t))
+        scores = [ece(prefix * torch.sigmoid(logits[:, k] / t), labels[:, k], bins) for t in candidates]
+        temps.append(candidates[min(range(len(candidates)), key=lambda i: (scores[i], i))])
         prefix = prefix * torch.sigmoid(logits[:, k] / temps[-1])
     return temps
 
