@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from dspark_grpc.draft_service.servicer import DraftServicer
 from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.drafting.markov import KERNELS
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, resolve_compile_mode
+from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
 from dspark_grpc.serving.security import server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.cost_table import default_cache_dir
@@ -59,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
                    help="fast: the drafter's projections and head as Q8_0 blocks on our CPU kernels (where they "
                         "build; int8 weights and activations, as llama.cpp multiplies them); exact: in --dtype. "
                         "The drafter's rounding only changes what it proposes: the target's output is the same")
+    s.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
+                   help="fast/max: a lone session's greedy DSpark chain runs as one compiled graph (torch.compile; "
+                        "compiled once at start-up, saved in --compile-cache); auto: $DSPARK_COMPILE if set, else max "
+                        "with --precision fast on the CPU, else off")
+    s.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
+                   help="where compiled graphs are saved and looked up; default $DSPARK_COMPILE_CACHE, else "
+                        "~/.cache/dspark-grpc/compiled")
     s.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve Prometheus metrics (proposals, drafter passes) at http://HOST:PORT/metrics; 0 picks "
                         "a free port")
@@ -108,9 +118,16 @@ def main(argv: list[str] | None = None) -> None:
 
     def load() -> None:
         drafter = args.drafter or ("embedded" if args.target_model is None else "none")
+        compile_cache = args.compile_cache or default_compile_cache()
+        os.environ.setdefault("DSPARK_COMPILE_CACHE", str(compile_cache))  # the C++ kernels' build too
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache / "inductor"))
+        compile_mode, why = resolve_compile_mode(args.compile, args.precision, device.type == "cpu")
+        if why and not args.quiet:
+            print(f"[dspark-draft] compile {compile_mode} ({why})", flush=True)
         engine = in_thread_that_ends(lambda: DraftEngine.load(
             None if drafter == "none" else drafter, args.target_model, dtype=getattr(torch, args.dtype), limits=limits,
-            progress=not args.quiet, seed=args.seed, precision=args.precision, device=device))
+            progress=not args.quiet, seed=args.seed, precision=args.precision, device=device, compile=compile_mode,
+            compile_cache=compile_cache))
         if engine.drafter is not None and not args.no_cost_profile:
             t0 = time.perf_counter()
             tables = engine.profile_costs(args.cost_cache or default_cache_dir())

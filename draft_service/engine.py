@@ -44,6 +44,7 @@ from dspark_grpc.runtime.drafting.sampling import check_temperature
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, load_checkpoint
 from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter, load_drafter
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.kernels.compiled_draft import CompiledChain, can_compile_drafter
 from dspark_grpc.runtime.models.drafter import BlockOutput, Drafter
 from dspark_grpc.serving.batching import BatchInfo, StepBatcher
 from dspark_grpc.serving.cost_profile import drafter_cost_tables
@@ -109,15 +110,16 @@ class DraftEngine:
             reserved=limits.reserved_sessions)
         self.metrics: DraftServiceMetrics | None = None
         self.propose_costs: list[CostTable] = []  # by lanes; see profile_costs
-        self._passes: StepBatcher[PassJob, tuple[BlockOutput, Chain | None]] | None = None
+        self.compiled: CompiledChain | None = None  # a lone session's greedy chain as one graph (see `load`)
+        self._passes: StepBatcher[PassJob, tuple[BlockOutput | None, Chain | None]] | None = None
         self.threads = ThreadGovernor(torch.get_num_threads())
         # a draft is only a guess: no check that the drafter's outputs do not depend on its thread count
         self.threads.enabled = limits.adaptive_threads and self.threads.enabled
         if drafter is not None:
             B = drafter.config.block_size
 
-            def run_passes(jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
-                return self.threads.run(lambda: drafter_pass(drafter, jobs), B * len(jobs))
+            def run_passes(jobs: list[PassJob]) -> list[tuple[BlockOutput | None, Chain | None]]:
+                return self.threads.run(lambda: drafter_pass(drafter, jobs, self.compiled), B * len(jobs))
 
             self._passes = StepBatcher(run_passes, rows=lambda job: B,
                                        max_rows=B * limits.max_sessions, name="drafter-pass",
@@ -139,13 +141,16 @@ class DraftEngine:
     @classmethod
     def load(cls, drafter_path: str | Path | None, target_path: str | Path | None = None,
              dtype: torch.dtype = torch.float32, limits: DraftLimits | None = None, progress: bool = True,
-             seed: int = 0, precision: str = "exact", device: torch.device | str = "cpu") -> DraftEngine:
+             seed: int = 0, precision: str = "exact", device: torch.device | str = "cpu", compile: str = "off",
+             compile_cache: Path | None = None) -> DraftEngine:
         """`drafter_path` None = prompt lookup only; "random" = a seeded random DSpark drafter for the target;
         "embedded" = the drafter shipped with the package for the embedded default target (EMBEDDED_DRAFTER).
         `precision` "fast": the drafter's projections and head as Q8_0 blocks on our CPU kernels (int8 weights and
         activations; a drafter's rounding changes which tokens it proposes, never the target's output). `device`:
         where the drafter runs, loaded on the CPU and moved there; off the CPU "fast" runs in `dtype` on torch's
-        matmuls (the Q8_0 kernels are CPU-only), said in one line."""
+        matmuls (the Q8_0 kernels are CPU-only), said in one line. `compile` "fast"/"max": a lone session's greedy
+        chain runs as one compiled graph (runtime/kernels/compiled_draft.py; loaded from or saved to
+        `compile_cache`), where the drafter can take it."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if str(drafter_path) == "embedded":
@@ -173,7 +178,15 @@ class DraftEngine:
                 print(f"[dspark-draft] {device}: precision fast runs in {str(dtype).removeprefix('torch.')} on torch's "
                       "matmuls (the Q8_0 kernels are CPU-only)", flush=True)
             drafter = drafter.to(dtype).to(device).eval().requires_grad_(False).pack(quantize=precision == "fast")
-        return cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
+        engine = cls(drafter, ckpt.config.vocab_size, fingerprint, name, limits or DraftLimits())
+        if drafter is not None and compile != "off":
+            reason = can_compile_drafter(drafter)
+            if reason is None:
+                engine.compiled = CompiledChain(drafter, compile_cache, compile)
+                engine.compiled.warm_up(progress)
+            elif progress:
+                print(f"[dspark-draft] the drafter runs eagerly: {reason}", flush=True)
+        return engine
 
     # -- sessions ---------------------------------------------------------------------------------
 

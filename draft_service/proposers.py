@@ -36,6 +36,7 @@ from dspark_grpc.speculation.wire import DSPARK, HYBRID, NGRAM, TORCH
 
 if TYPE_CHECKING:
     from dspark_grpc.draft_service.engine import DraftLimits
+    from dspark_grpc.runtime.kernels.compiled_draft import CompiledChain
 
 
 @dataclass
@@ -119,11 +120,16 @@ class PassJob:
     context: DraftContext
     anchor_token: int
     greedy_chain: bool  # the pass also drafts its greedy chain (torch kernel), batched with the pass's others
+    chain_only: bool = False  # only that chain is wanted (not the block's logits: no tree)
 
 
-def drafter_pass(d: Drafter, jobs: list[PassJob]) -> list[tuple[BlockOutput, Chain | None]]:
+def drafter_pass(d: Drafter, jobs: list[PassJob], compiled: CompiledChain | None = None
+                 ) -> list[tuple[BlockOutput | None, Chain | None]]:
     """One drafter pass for the sessions of `jobs`, then the greedy chains of those that want one, as one batched
-    chain (runtime/drafting/markov.py `draft_chains`) instead of one per session."""
+    chain (runtime/drafting/markov.py `draft_chains`) instead of one per session. A lone session that wants only
+    its greedy chain takes the `compiled` graph when there is one (no BlockOutput then)."""
+    if compiled is not None and len(jobs) == 1 and jobs[0].greedy_chain and jobs[0].chain_only:
+        return [(None, compiled(jobs[0].context, jobs[0].anchor_token))]
     outs = d.forward_blocks([(job.context, job.anchor_token) for job in jobs])
     chains: list[Chain | None] = [None] * len(jobs)
     greedy = [i for i, job in enumerate(jobs) if job.greedy_chain]
@@ -139,7 +145,7 @@ def drafter_pass(d: Drafter, jobs: list[PassJob]) -> list[tuple[BlockOutput, Cha
 class DSparkDrafts:
     name = DSPARK
 
-    def __init__(self, drafter: Drafter, passes: StepBatcher[PassJob, tuple[BlockOutput, Chain | None]],
+    def __init__(self, drafter: Drafter, passes: StepBatcher[PassJob, tuple[BlockOutput | None, Chain | None]],
                  limits: DraftLimits) -> None:
         self.drafter, self.passes, self.limits = drafter, passes, limits
 
@@ -152,7 +158,8 @@ class DSparkDrafts:
         d, r = self.drafter, request
         kernel = choose_kernel(r.kernel, None if d.markov is None else d.markov.kind, r.temperature, d.device)
         assert r.session.context is not None
-        job = PassJob(r.session.context, r.anchor_token, greedy_chain=kernel == TORCH and r.temperature == 0)
+        job = PassJob(r.session.context, r.anchor_token, greedy_chain=kernel == TORCH and r.temperature == 0,
+                      chain_only=not r.tree)
         result, info = self.passes.submit(job, then=lambda out: dspark_proposal(
             d, out[0], r.anchor_token, r.tree, r.budget, kernel, r.temperature, r.generator, self.limits,
             chain=out[1]))
@@ -160,12 +167,13 @@ class DSparkDrafts:
         return result
 
 
-def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool, budget: int, kernel: str,
+def dspark_proposal(d: Drafter, out: BlockOutput | None, anchor_token: int, tree: bool, budget: int, kernel: str,
                     temperature: float, generator: torch.Generator | None, limits: DraftLimits,
                     chain: Chain | None = None) -> ProposalResult:
     """One session's DSpark chain (the first `budget` slots) or DDTree (`budget` nodes) from its block output;
-    `chain`: its whole greedy chain, drafted already (`drafter_pass`)."""
+    `chain`: its whole greedy chain, drafted already (`drafter_pass`; then `out` may be None)."""
     if tree:
+        assert out is not None
         t = build_ddtree(out.base_logits, anchor_token, budget, limits.tree_top_k, markov=d.markov,
                          hidden_post=out.hidden_post_norm, d2t=d.d2t, chain_seed=True)
         chain = chain or draft_chain(out.base_logits, out.hidden_pre_norm, out.hidden_post_norm, anchor_token,
@@ -176,6 +184,7 @@ def dspark_proposal(d: Drafter, out: BlockOutput, anchor_token: int, tree: bool,
         chain = Chain(chain.tokens[:budget], chain.logprobs[:budget],
                       None if chain.confidences is None else chain.confidences[:budget])
     else:
+        assert out is not None
         chain = draft_chain(out.base_logits[:budget], out.hidden_pre_norm[:budget], out.hidden_post_norm[:budget],
                             anchor_token, d.markov, d.confidence, d.d2t, kernel=kernel, temperature=temperature,
                             generator=generator, sample_top_k=limits.sample_top_k)

@@ -12,7 +12,7 @@ import dspark_grpc.serving.openmp  # noqa: F401  (before torch: libgomp's spin c
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS
-from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, missing_compiler
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, resolve_compile_mode
 from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
@@ -188,17 +188,9 @@ def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: 
     if precision == "auto":
         precision, why = auto_precision(path, on_cpu)
         said.append(f"precision {precision} (auto: {why})")
-    if compile_mode == "auto":
-        from_env = os.environ.get("DSPARK_COMPILE")
-        if from_env is not None and from_env not in COMPILE_MODES:
-            raise ValueError(f"DSPARK_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {from_env!r}")
-        compile_mode = "off" if precision != "fast" or not on_cpu else (from_env or "max")
-        why = ": $DSPARK_COMPILE" if from_env and precision == "fast" else ""
-        if compile_mode != "off" and (missing := missing_compiler()):
-            compile_mode, why = "off", f": {missing}; the step runs eagerly, install g++ for the compiled step"
-        said.append(f"compile {compile_mode} (auto{why})")
-    elif compile_mode != "off" and (missing := missing_compiler()):
-        raise ValueError(f"--compile {compile_mode} needs a C++ compiler: {missing} (install g++, or --compile off)")
+    compile_mode, why = resolve_compile_mode(compile_mode, precision, on_cpu)
+    if why:
+        said.append(f"compile {compile_mode} ({why})")
     if precision == "fast" and on_cpu and (reason := cpu_kernels.unavailable_reason()):
         said.append(f"matmuls on torch's int4 kernel (the C++ block kernels: {reason.splitlines()[0]})")
     if said and not quiet:

@@ -59,10 +59,10 @@ class MarkovHead(nn.Module):
         self._biases, self._biases_capacity, self._biases_lock = OrderedDict(), capacity, threading.Lock()
         return self
 
-    def project(self, v: Tensor, prev: Tensor) -> Tensor:
+    def project(self, v: Tensor, prev: Tensor, cached: bool = True) -> Tensor:
         """W2 · v [A, V_d] fp32 for v [A, r] from markov_step(prev [A]) (prev is the cache's key, see
-        cache_biases)."""
-        if self._biases is None:
+        cache_biases; `cached` False: computed, as a traced graph must)."""
+        if not cached or self._biases is None:
             return F.linear(v, self.w2.weight.float())
         rows = [self._cached_bias(v, i, token) for i, token in enumerate(prev.tolist())]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
@@ -82,7 +82,7 @@ class MarkovHead(nn.Module):
 
 
 def markov_step(markov: MarkovHead | None, base_logits: Tensor, prev: Tensor, hidden: Tensor | None = None,
-                state: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                state: Tensor | None = None, cached: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One chain step for A rows at once, fp32 and differentiable: U_k [A, V_d], x_{k-1} [A] (target ids; the
     anchor at k = 0), h_k [A, H] after the final norm (read by gated/rnn heads), the rnn state s_k [A, r] (None:
     s_0 = 0) -> (Z_k = U_k + W2 · v [A, V_d], e = W1[x_{k-1}] [A, r], s_{k+1}); without a head Z_k = U_k.
@@ -107,7 +107,7 @@ def markov_step(markov: MarkovHead | None, base_logits: Tensor, prev: Tensor, hi
             g, c, o = _linear(markov.joint_proj, torch.cat([s, e, h], dim=-1)).split(markov.rank, dim=-1)
             g = torch.sigmoid(g)
             v, state = torch.tanh(o), g * s + (1 - g) * torch.tanh(c)
-    return base_logits.float() + markov.project(v, prev), e, state
+    return base_logits.float() + markov.project(v, prev, cached), e, state
 
 
 class ConfidenceHead(nn.Module):
@@ -204,9 +204,10 @@ class GreedyChains:
 
 
 def greedy_chains(base_logits: Tensor, anchors: Tensor, markov: MarkovHead | None,
-                  hidden_post: Tensor | None = None, d2t: Tensor | None = None) -> GreedyChains:
+                  hidden_post: Tensor | None = None, d2t: Tensor | None = None, cached: bool = True) -> GreedyChains:
     """The greedy chains of A blocks at once, one Markov step per slot over the A rows (ties -> the lowest draft
-    id): base_logits [A, K, V_d], anchors [A] target ids, hidden_post [A, K, H] (read by gated/rnn heads)."""
+    id): base_logits [A, K, V_d], anchors [A] target ids, hidden_post [A, K, H] (read by gated/rnn heads);
+    `cached`: MarkovHead.project's."""
     assert base_logits.dim() == 3 and anchors.shape == base_logits.shape[:1], (base_logits.shape, anchors.shape)
     A, K = base_logits.shape[:2]
     assert hidden_post is None or hidden_post.shape[:2] == (A, K), hidden_post.shape
@@ -214,7 +215,7 @@ def greedy_chains(base_logits: Tensor, anchors: Tensor, markov: MarkovHead | Non
     draft_tokens, tokens, logprobs, embeddings, logits = [], [], [], [], []
     for k in range(K):
         hidden = None if hidden_post is None else hidden_post[:, k]
-        z, e, state = markov_step(markov, base_logits[:, k], prev, hidden, state)
+        z, e, state = markov_step(markov, base_logits[:, k], prev, hidden, state, cached)
         x = z.argmax(dim=-1)  # the first maximal index
         logprobs.append(torch.log_softmax(z, dim=-1).gather(1, x[:, None])[:, 0])
         prev = x if d2t is None else x + d2t[x]
@@ -346,12 +347,20 @@ def draft_chains(base_logits: Tensor, hidden_pre: Tensor, hidden_post: Tensor, a
     for anchor in anchors.tolist():
         check_chain_inputs(base_logits[0], anchor, markov, d2t, confidence)
     g = greedy_chains(base_logits, anchors, markov, hidden_post, d2t)
-    A, K = g.tokens.shape
-    conf = None
-    if confidence is not None:
-        hidden = confidence.select_hidden(hidden_pre, hidden_post).reshape(A * K, confidence.hidden_size)
-        emb = None if g.embeddings is None else g.embeddings.reshape(A * K, g.embeddings.shape[-1])
-        temps = confidence.position_temperatures(K).to(base_logits.device)
-        conf = torch.sigmoid(confidence.logits(hidden, emb).view(A, K) / temps)
+    conf = chain_confidences(confidence, hidden_pre, hidden_post, g.embeddings)
+    A = g.tokens.shape[0]
     tokens = g.tokens.tolist()
     return [Chain(tokens[i], g.logprobs[i], None if conf is None else conf[i]) for i in range(A)]
+
+
+def chain_confidences(confidence: ConfidenceHead | None, hidden_pre: Tensor, hidden_post: Tensor,
+                      embeddings: Tensor | None) -> Tensor | None:
+    """The calibrated confidences [A, K] of A greedy chains: hidden_pre/post [A, K, H], embeddings [A, K, r] (the
+    chains' `GreedyChains.embeddings`); None without a confidence head."""
+    if confidence is None:
+        return None
+    A, K = hidden_pre.shape[:2]
+    hidden = confidence.select_hidden(hidden_pre, hidden_post).reshape(A * K, confidence.hidden_size)
+    emb = None if embeddings is None else embeddings.reshape(A * K, embeddings.shape[-1])
+    temps = confidence.position_temperatures(K).to(hidden.device)
+    return torch.sigmoid(confidence.logits(hidden, emb).view(A, K) / temps)

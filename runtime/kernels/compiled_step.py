@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 import platform
 import sys
 import time
@@ -141,6 +142,24 @@ def missing_compiler() -> str | None:
         names = " or ".join(c for c in config.cpp.cxx if c) if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
         return f"no C++ compiler found ({names} on PATH, or $CXX)"
     return None
+
+
+def resolve_compile_mode(mode: str, precision: str, on_cpu: bool) -> tuple[str, str]:
+    """--compile as the services take it -> (mode, why, for a start-up line). "auto": $DSPARK_COMPILE if set, else
+    "max" with the fast precision on the CPU, else "off"; without a C++ compiler "auto" is "off" and another mode
+    an error (ValueError)."""
+    if mode != "auto":
+        if mode != "off" and (missing := missing_compiler()):
+            raise ValueError(f"--compile {mode} needs a C++ compiler: {missing} (install g++, or --compile off)")
+        return mode, ""
+    from_env = os.environ.get("DSPARK_COMPILE")
+    if from_env is not None and from_env not in COMPILE_MODES:
+        raise ValueError(f"DSPARK_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {from_env!r}")
+    mode = "off" if precision != "fast" or not on_cpu else (from_env or "max")
+    why = "auto: $DSPARK_COMPILE" if from_env and precision == "fast" else "auto"
+    if mode != "off" and (missing := missing_compiler()):
+        mode, why = "off", f"auto: {missing}; eager, install g++ to compile"
+    return mode, why
 
 
 def artifact_key(model: Transformer, mode: str = "fast") -> str:

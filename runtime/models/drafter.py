@@ -10,7 +10,7 @@ see a window of context and are causal inside the block unless the checkpoint sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ class BlockOutput:
     base_logits: Tensor  # [n_drafts, draft_vocab] float32, without the Markov bias
 
 
-class _BlockKV:
+class BlockKV:
     """KVSource for a block: attends to [context K/V ; block K/V] and stores nothing."""
 
     def __init__(self, k: Tensor, v: Tensor) -> None:
@@ -143,30 +143,39 @@ class Drafter(nn.Module):
         tokens[:, 0] = torch.tensor([a for _, a in items], device=self.device)
         starts = [ctx.length for ctx, _ in items]
         positions = [torch.arange(n, n + B, device=self.device) for n in starts]
+        rows, post, logits = self.draft_rows(tokens, torch.cat(positions), lambda i: [
+            Segment(j * B, (j + 1) * B, *self._block_kv(ctx, i, pos))
+            for j, ((ctx, _), pos) in enumerate(zip(items, positions, strict=True))])
+        return [BlockOutput(rows[j], post[j], logits[j]) for j in range(S)]
+
+    def draft_rows(self, tokens: Tensor, positions: Tensor, segments: Callable[[int], Sequence[Segment]]
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """The draft layers over S blocks: tokens [S, B] at positions [S * B], each layer's K/V sources
+        `segments(layer)` -> the draft slots' hidden states before and after the final norm [S, K, H] and their
+        base logits [S, K, V_d] fp32."""
+        c = self.config
+        S, B = tokens.shape
         x = self.embed(tokens.reshape(S * B))
-        cos, sin = self.rope(torch.cat(positions), x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            segments = [Segment(j * B, (j + 1) * B, *self._block_kv(ctx, i, pos))
-                        for j, ((ctx, _), pos) in enumerate(zip(items, positions, strict=True))]
-            x = layer.forward_segments(x, cos, sin, segments)
+            x = layer.forward_segments(x, cos, sin, segments(i))
         x = x.view(S, B, c.hidden_size)
         rows = x if c.slot_convention == "dspark" else x[:, 1:]
         assert rows.shape == (S, c.num_drafts, c.hidden_size), rows.shape
         post = self.norm(rows)
-        logits = self.lm_head(post).float()
-        return [BlockOutput(rows[j], post[j], logits[j]) for j in range(S)]
+        return rows, post, self.lm_head(post).float()
 
-    def _block_kv(self, ctx: DraftContext, layer: int, positions: Tensor) -> tuple[Tensor | None, _BlockKV]:
+    def _block_kv(self, ctx: DraftContext, layer: int, positions: Tensor) -> tuple[Tensor | None, BlockKV]:
         """Layer `layer`'s mask (None: every row) and K/V source for a block at `positions` over `ctx`."""
         c, n = self.config, ctx.length
         k, v = ctx.layer_kv(layer)
         if c.layer_types[layer] != "sliding_attention":
-            return None, _BlockKV(k, v)
+            return None, BlockKV(k, v)
         assert c.sliding_window is not None
         first = max(0, n - c.sliding_window + 1)  # the earliest row any block query can see
         key_pos = torch.cat([torch.arange(first, n, device=self.device), positions])
         mask = sliding_mask(positions, key_pos, c.sliding_window, c.causal_sliding)
-        return mask, _BlockKV(k[:, first:], v[:, first:])
+        return mask, BlockKV(k[:, first:], v[:, first:])
 
 
 class DraftContext:

@@ -21,7 +21,7 @@ from dspark_grpc.runtime.drafting.markov import greedy_chains as greedy_chains_o
 from dspark_grpc.runtime.drafting.markov import markov_step
 from dspark_grpc.runtime.formats.drafter_config import default_target_layer_ids
 from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.models.drafter import Drafter, _BlockKV, sliding_mask
+from dspark_grpc.runtime.models.drafter import BlockKV, Drafter, sliding_mask
 from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.runtime.train.data import TargetSequence
 from dspark_grpc.runtime.train.vocab import DraftVocab
@@ -146,7 +146,7 @@ def forward_blocks(drafter: Drafter, batch: AnchorBatch) -> BlockRows:
     masks = block_masks(drafter, batch)
     for i, layer in enumerate(drafter.layers):
         k, v = layer.attention.project_kv(ctx, ctx_cos, ctx_sin)
-        x = layer(x, cos, sin, masks[c.layer_types[i]], _BlockKV(k, v))
+        x = layer(x, cos, sin, masks[c.layer_types[i]], BlockKV(k, v))
     rows = x.view(A, B, -1)
     if c.slot_convention == "dflash":
         rows = rows[:, 1:]

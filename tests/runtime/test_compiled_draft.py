@@ -1,0 +1,112 @@
+"""The drafter's compiled greedy chain (runtime/kernels/compiled_draft.py) drafts what the eager pass drafts: the same
+tokens, and log-probs and confidences to float32 rounding, at context lengths other than the one it was traced on;
+saved, it loads and drafts the same; the draft engine takes it for a lone session's chain, and only there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+from dspark_grpc.draft_service.proposers import PassJob, drafter_pass
+from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
+from dspark_grpc.runtime.kernels.compiled_draft import TRACE_CONTEXT, CompiledChain, can_compile_drafter
+from dspark_grpc.runtime.kernels.compiled_step import missing_compiler
+from dspark_grpc.runtime.models.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="inductor needs a C++ compiler")
+
+TARGET = ModelConfig(architecture="llama", name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True)
+CONTEXTS = (1, 2, 7, TRACE_CONTEXT, 61)
+
+
+def tiny_drafter():
+    """Two layers, a draft vocabulary smaller than the target's (d2t), a Markov head with its bias cache (the eager
+    chain looks biases up, the graph computes them) and a confidence head."""
+    drafter = init_random_drafter(TARGET, num_layers=2, block_size=4, target_layer_ids=(0, 3), markov_rank=8,
+                                  draft_vocab_size=96, seed=3, confidence_temperatures=(1.0, 1.5, 2.0))
+    drafter = drafter.eval().requires_grad_(False)
+    drafter.markov.cache_biases(64)  # as `pack` does (whose oneDNN packing the graph does not take)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    drafter = tiny_drafter()
+    cache_dir = tmp_path_factory.mktemp("compiled-draft")
+    chain = CompiledChain(drafter, cache_dir, mode="fast")
+    chain.warm_up(progress=False)
+    assert chain.source == "compiled" and chain.path.exists()
+    return chain
+
+
+def context_of(drafter, rows: int, seed: int):
+    ctx = drafter.new_context()
+    g = torch.Generator().manual_seed(seed)
+    ctx.append(torch.randn(rows, 2, TARGET.hidden_size, generator=g), 0)
+    return ctx
+
+
+def assert_chains_equal(eager, compiled_chain):
+    assert compiled_chain.tokens == eager.tokens
+    torch.testing.assert_close(compiled_chain.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled_chain.confidences, eager.confidences, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", CONTEXTS)
+def test_the_compiled_chain_drafts_what_the_eager_pass_drafts(compiled, rows):
+    drafter = compiled.drafter
+    for anchor in (0, 17, TARGET.vocab_size - 2):
+        ctx = context_of(drafter, rows, seed=rows)
+        more = torch.randn(3, 2, TARGET.hidden_size, generator=torch.Generator().manual_seed(anchor))
+        (_, eager), = drafter_pass(drafter, [PassJob(ctx, anchor, greedy_chain=True)])
+        ctx.append(more, rows)  # rows still waiting are projected first
+        (_, eager_after), = drafter_pass(drafter, [PassJob(ctx, anchor, greedy_chain=True)])
+        ctx.truncate(rows)
+        assert_chains_equal(eager, compiled(ctx, anchor))
+        ctx.append(more, rows)
+        assert_chains_equal(eager_after, compiled(ctx, anchor))
+
+
+def test_a_saved_chain_loads_and_drafts_the_same(compiled):
+    again = CompiledChain(compiled.drafter, compiled.cache_dir, mode="fast")
+    again.warm_up(progress=False)
+    assert again.source == "loaded"
+    ctx = context_of(compiled.drafter, 9, seed=1)
+    assert_chains_equal(compiled(ctx, 5), again(ctx, 5))
+
+
+def test_the_engine_takes_the_graph_for_a_lone_greedy_chain_only(compiled):
+    drafter = compiled.drafter
+    engine = DraftEngine(drafter, TARGET.vocab_size, ("model", "tokenizer"), "tiny", DraftLimits())
+    calls = []
+
+    def counted(ctx, anchor):
+        calls.append(anchor)
+        return compiled(ctx, anchor)
+
+    engine.compiled = counted
+    try:
+        sid = engine.open_session(("model", "tokenizer"))
+        engine.append(sid, 0, list(range(12)), [0, 3], torch.randn(12, 2, TARGET.hidden_size))
+        chain = engine.propose(sid, 7, 12, proposer="dspark")
+        assert calls == [7]
+        assert chain.tokens[1:] == compiled(engine.sessions.get(sid).context, 7).tokens
+        calls.clear()
+        tree = engine.propose(sid, 7, 12, tree=True, budget=6, proposer="dspark")  # a tree: the eager pass
+        sampled = engine.propose(sid, 7, 12, proposer="dspark", temperature=1.0,
+                                 generator=torch.Generator().manual_seed(0))
+        assert calls == [] and len(tree.tokens) == 7 and len(sampled.tokens) == 5
+    finally:
+        engine.close()
+
+
+def test_what_is_not_compiled_says_why():
+    sliding = init_random_drafter(TARGET, num_layers=1, layer_types=("sliding_attention",), sliding_window=8)
+    assert "sliding" in can_compile_drafter(sliding)
+    assert can_compile_drafter(tiny_drafter()) is None
+    with pytest.raises(ValueError, match="sliding"):
+        CompiledChain(sliding)
+    if tiny_drafter().pack().fc.packed is not None:  # where torch has oneDNN's packed linear
+        assert "oneDNN" in can_compile_drafter(tiny_drafter().pack())
