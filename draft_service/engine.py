@@ -121,14 +121,20 @@ class DraftEngine:
             def run_passes(jobs: list[PassJob]) -> list[tuple[BlockOutput | None, Chain | None]]:
                 return self.threads.run(lambda: drafter_pass(drafter, jobs, self.compiled), B * len(jobs))
 
+            # on one torch thread a lone pass runs on the thread that asked for it (StepBatcher.inline)
             self._passes = StepBatcher(run_passes, rows=lambda job: B,
                                        max_rows=B * limits.max_sessions, name="drafter-pass",
-                                       on_batch=self._observe_pass, session=lambda job: id(job.context))
+                                       on_batch=self._observe_pass, session=lambda job: id(job.context),
+                                       inline=self.one_thread)
         lookup = PromptLookup(limits)
         self.proposers: dict[str, Proposer] = {NGRAM: lookup}  # by name, in the order the service lists them
         if drafter is not None:
             dspark = DSparkDrafts(drafter, self._passes, limits)
             self.proposers = {DSPARK: dspark, NGRAM: lookup, HYBRID: Hybrid(lookup, dspark, limits)}
+
+    def one_thread(self) -> bool:
+        """The drafter's torch work runs on one thread (no OpenMP team): any thread may run it."""
+        return self.threads.threads == 1 and not self.threads.enabled
 
     def close(self) -> None:
         if self._passes is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -26,6 +27,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.executor = executor or ThreadPoolExecutor(max_workers=max_sessions + 4, thread_name_prefix="draft")
         # the proposals of DraftRounds, each in its own thread so that their drafter passes run as one
         self.round_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-round")
+        self._running = 0  # operations under way (`handle` calls)
+        self._lock = threading.Lock()
 
     def ready_engine(self) -> DraftEngine:
         if self.engine is None:
@@ -53,15 +56,29 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def DraftSession(self, request_iterator, context):
         async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner,
-                                             principal_of(context)):
+                                             principal_of(context), inline=self._inline):
             yield response
+
+    def _inline(self, request: draft_pb2.DraftSessionRequest) -> bool:
+        """A round with at most one proposal, while no other operation runs, on a drafter on one torch thread: on
+        the event loop (its drafter pass then runs there too; a few milliseconds in which other streams wait)."""
+        engine = self.engine
+        return (engine is not None and self._running == 0 and engine.one_thread()
+                and request.WhichOneof("op") == "round"
+                and sum(o.WhichOneof("op") == "propose" for o in request.round.ops) <= 1)
 
     def _release_owner(self, owner: object) -> None:
         if self.engine is not None:
             self.engine.release_owner(owner)
 
     def handle(self, request: draft_pb2.DraftSessionRequest, owner: object) -> draft_pb2.DraftSessionResponse:
-        return run_session_op(self._dispatch, request, owner, draft_pb2.DraftSessionResponse)
+        with self._lock:
+            self._running += 1
+        try:
+            return run_session_op(self._dispatch, request, owner, draft_pb2.DraftSessionResponse)
+        finally:
+            with self._lock:
+                self._running -= 1
 
     def _dispatch(self, request: draft_pb2.DraftSessionRequest, owner: object) -> dict:
         engine = self.ready_engine()

@@ -19,6 +19,11 @@ its next job. A session that went away costs that wait at most twice. Without `s
 A caller that knows which sessions are about to submit (the sessions of one speculative round, each submitting from
 its own thread) says so with `expect`: the next batch then waits for all of them (up to a bound), so the round runs
 as one forward whatever the threads' timing.
+
+`inline()` True: a job submitted while the batcher is idle (nothing queued or running, no other session expected or
+seen in the last two batches) runs on the submitting thread, as a batch of one. Waking the worker and being woken
+back are two thread switches, each a few hundred microseconds on a small VM whose idle vCPU must be woken too.
+Only for work that may run on any thread (torch work on one thread: a second OpenMP team is the cost above).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class StepBatcher(Generic[J, R]):
                  max_rows: int = 512, name: str = "step-batcher",
                  on_batch: Callable[[BatchInfo], None] | None = None, gather: float = 0.25,
                  session: Callable[[J], Hashable] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, inline: Callable[[], bool] | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.run_batch, self.rows, self.max_rows, self.on_batch = run_batch, rows, max_rows, on_batch
@@ -72,6 +77,8 @@ class StepBatcher(Generic[J, R]):
         self._recent: list[set] = [set(), set()]  # sessions of the last two batches
         self._expected: dict[Hashable, float] = {}  # session -> until when the next batch waits for it (`expect`)
         self._queue: list[_Ticket[J, R]] = []
+        self._busy = False  # a batch is running (on the worker or inline)
+        self.inline, self.inlined = inline, 0  # (how many jobs ran inline)
         self._cv = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -82,7 +89,10 @@ class StepBatcher(Generic[J, R]):
         given, runs on the worker right after the batch and its return value replaces the result."""
         ticket: _Ticket[J, R] = _Ticket(job, max(1, int(self.rows(job))), threading.Event(),
                                         self.session(job) if self.session is not None else None, then)
-        self._wait(ticket)
+        if not self._run_inline(ticket):
+            self._wait(ticket)
+        elif ticket.error is not None:
+            raise ticket.error
         assert ticket.info is not None
         return ticket.result, ticket.info
 
@@ -124,6 +134,26 @@ class StepBatcher(Generic[J, R]):
         self._wait(ticket)
         return ticket.result
 
+    def _run_inline(self, ticket: _Ticket[J, R]) -> bool:
+        """Run the ticket's job on this thread if the batcher is idle (see `inline`); whether it ran."""
+        if self.inline is None or not self.inline():
+            return False
+        with self._cv:
+            now = self.clock()
+            others = {s for s, until in self._expected.items() if until > now} | self._recent[0] | self._recent[1]
+            if self._closed or self._busy or self._queue or others - {ticket.session}:
+                return False
+            self._busy = True
+            self._expected.pop(ticket.session, None)
+        try:
+            self._finish([ticket])
+            self.inlined += 1
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+        return True
+
     def _wait(self, ticket: _Ticket[J, R]) -> None:
         self._queue_ticket(ticket)
         ticket.done.wait()
@@ -146,10 +176,11 @@ class StepBatcher(Generic[J, R]):
 
     def _take(self) -> list[_Ticket[J, R]] | None:
         with self._cv:
-            while not self._queue and not self._closed:
+            while (not self._queue or self._busy) and not self._closed:
                 self._cv.wait()
             if not self._queue:
                 return None
+            self._busy = True
             if self._queue[0].call is not None:
                 return [self._queue.pop(0)]
             recent = self._recent[0] | self._recent[1]
@@ -172,26 +203,35 @@ class StepBatcher(Generic[J, R]):
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
-            if batch[0].call is not None:
-                self._run_call(batch[0])
-                continue
-            self._run(batch)
-            if len(batch) > 1 and any(t.error is not None for t in batch):
-                for t in batch:  # isolate the failing job(s)
-                    t.error = None
-                    self._run([t])
-            for t in batch:
-                if t.then is not None and t.error is None:
-                    try:
-                        t.result = t.then(t.result)
-                    except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
-                        t.error = e
-                t.done.set()
-                if t.future is not None:
-                    if t.error is not None:
-                        t.future.set_exception(t.error)
-                    else:
-                        t.future.set_result(t.result)
+            try:
+                if batch[0].call is not None:
+                    self._run_call(batch[0])
+                else:
+                    self._finish(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _finish(self, batch: list[_Ticket[J, R]]) -> None:
+        """Run a batch, its jobs' `then`, and hand each result over."""
+        self._run(batch)
+        if len(batch) > 1 and any(t.error is not None for t in batch):
+            for t in batch:  # isolate the failing job(s)
+                t.error = None
+                self._run([t])
+        for t in batch:
+            if t.then is not None and t.error is None:
+                try:
+                    t.result = t.then(t.result)
+                except BaseException as e:  # noqa: BLE001 - handed to the submitting thread
+                    t.error = e
+            t.done.set()
+            if t.future is not None:
+                if t.error is not None:
+                    t.future.set_exception(t.error)
+                else:
+                    t.future.set_result(t.result)
 
     @staticmethod
     def _run_call(ticket: _Ticket[J, R]) -> None:

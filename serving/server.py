@@ -134,14 +134,19 @@ def run_session_op(dispatch: Callable[[object, object], dict], request, owner: o
 
 
 async def session_stream(request_iterator, handle: Callable, executor, release_owner: Callable[[object], object],
-                         principal: str = ""):
+                         principal: str = "", inline: Callable[[object], bool] | None = None):
     """The body of a session stream RPC: each request is handled off the event loop, in order, by
     `handle(request, owner)`; when the stream ends (done, cancelled, deadline) its sessions are released. The
-    stream owns the sessions it opens (another stream gets NOT_FOUND); `principal` counts towards its limit."""
+    stream owns the sessions it opens (another stream gets NOT_FOUND); `principal` counts towards its limit.
+    A request for which `inline(request)` is True is handled on the event loop itself (a short one: no thread to
+    wake and be woken by, see serving/batching.py `inline`)."""
     owner = Owner(principal)
     op = None
     try:
         async for request in request_iterator:
+            if inline is not None and inline(request):
+                yield handle(request, owner)
+                continue
             op = executor.submit(handle, request, owner)
             yield await asyncio.wrap_future(op)
     finally:

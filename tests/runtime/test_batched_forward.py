@@ -208,6 +208,65 @@ def test_step_batcher_runs_then_and_calls_on_its_worker():
     batcher.close()
 
 
+def test_an_idle_inline_batcher_runs_a_lone_job_on_the_caller_and_queues_the_rest():
+    """inline(): a job submitted while nothing is queued, running or expected from another session runs on the
+    submitting thread (its `then` too, its error raised there); otherwise it goes to the worker as before. Jobs
+    are "session:name"."""
+    ran_on: list[str] = []
+    release, running = threading.Event(), threading.Event()
+
+    def run_batch(jobs: list[str]) -> list[str]:
+        ran_on.append(threading.current_thread().name)
+        if "x:block" in jobs:
+            running.set()
+            release.wait(10)
+        if "x:bad" in jobs:
+            raise ValueError("bad job")
+        return [j.upper() for j in jobs]
+
+    allowed = [True]
+    batcher = StepBatcher(run_batch, name="the-worker", session=lambda job: job.split(":")[0],
+                          inline=lambda: allowed[0])
+    caller = threading.current_thread().name
+    assert batcher.submit("x:a", then=lambda r: r + "!")[0] == "X:A!"
+    with pytest.raises(ValueError, match="bad job"):
+        batcher.submit("x:bad")
+    assert ran_on == [caller, caller] and batcher.inlined == 2
+
+    blocked, t1 = _submit_all_named(batcher, ["x:block"])  # a batch runs: the next job waits for the worker
+    assert running.wait(10)
+    queued, t2 = _submit_all_named(batcher, ["x:b"])
+    _wait_queued(batcher, 1)
+    release.set()
+    for t in t1 + t2:
+        t.join(10)
+    assert queued["x:b"][0] == "X:B" and ran_on[-1] == "the-worker"
+    assert blocked["x:block"][0] == "X:BLOCK" and ran_on[-2] != "the-worker"  # it had found the batcher idle
+
+    batcher.expect(["y"], within_s=1000.0)  # another session of the round is coming: batch with it
+    waiting, t3 = _submit_all_named(batcher, ["x:c"])
+    _wait_queued(batcher, 1)
+    batcher.unexpect("y")
+    t3[0].join(10)
+    assert waiting["x:c"][0] == "X:C" and ran_on[-1] == "the-worker"
+    assert batcher.submit("y:d")[0] == "Y:D" and ran_on[-1] == "the-worker"  # "x" was in the last two batches
+
+    allowed[0] = False
+    assert batcher.submit("x:e")[0] == "X:E" and ran_on[-1] == "the-worker"
+    allowed[0] = True
+    assert batcher.submit("x:f")[0] == "X:F" and ran_on[-1] == "the-worker"  # "y" was in the last two batches
+    assert batcher.submit("x:g")[0] == "X:G" and ran_on[-1] == caller and batcher.inlined == 4
+    batcher.close()
+
+
+def _submit_all_named(batcher: StepBatcher, jobs: list[str]) -> tuple[dict, list[threading.Thread]]:
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda j=j: results.__setitem__(j, batcher.submit(j))) for j in jobs]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
 def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
     # A fake clock: every forward "takes" 1000 s, so the gather window (0.25 x the last forward) is far longer than
     # any scheduling delay of this machine, and what the batches hold does not depend on its speed.
