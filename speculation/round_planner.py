@@ -5,9 +5,11 @@ drafted chain carries confidences c_1..c_k (the DSpark confidence head); with a 
 EMAs of accepted and predicted draft tokens), s_{i,d} = min(1, g * prod_{j<=d} c_{i,j}) is the chance that session i
 accepts its draft token d. Verifying m_i tokens of each chain, the forward's expected goodput is
 
-    rate(m) = (N + sum_i sum_{d<=m_i} s_{i,d}) / T(N, (N + sum_i m_i) / N)
+    rate(m) = (N + sum_i sum_{d<=m_i} s_{i,d}) / (T(N, (N + sum_i m_i) / N) + F)
 
-with N the round's sessions and T the target's cost table (seconds of one forward of N sessions x r rows each).
+with N the round's sessions, T the target's cost table (seconds of one forward of N sessions x r rows each) and F
+what the round costs whatever is verified (the drafter's round: paid once the chains are drafted, it makes each
+verified row relatively cheaper).
 Along a chain s_{i,d} only decreases, so taking the draft tokens in order of s (the most likely first) keeps a
 prefix of every chain; the plan is the best prefix of that order. Every session verifies at least `min_depth`
 tokens (1 in mode speculation: it drafts every step; 0 in mode adaptive, where a session cut to depth 0 runs an AR
@@ -25,8 +27,8 @@ from dataclasses import dataclass, field
 
 
 def plan_depths(confidences: Sequence[Sequence[float]], min_depths: Sequence[int], calibration: float,
-                seconds: Callable[[int, float], float]) -> list[int]:
-    """Depth to verify per chain. `seconds(lanes, rows_per_lane)` is the forward's cost."""
+                seconds: Callable[[int, float], float], fixed_seconds: float = 0.0) -> list[int]:
+    """Depth to verify per chain. `seconds(lanes, rows_per_lane)` is the forward's cost, `fixed_seconds` F."""
     n = len(confidences)
     assert len(min_depths) == n
     if n == 0:
@@ -43,11 +45,11 @@ def plan_depths(confidences: Sequence[Sequence[float]], min_depths: Sequence[int
     rows = n + sum(depths)
     order = sorted(((s[d], i, d) for i, s in enumerate(survival) for d in range(depths[i], len(s))),
                    key=lambda x: (-x[0], x[2], x[1]))
-    best, best_rate = 0, expected / seconds(n, rows / n)
+    best, best_rate = 0, expected / (seconds(n, rows / n) + fixed_seconds)
     for taken, (p, _, _) in enumerate(order, start=1):
         expected += p
         rows += 1
-        rate = expected / seconds(n, rows / n)
+        rate = expected / (seconds(n, rows / n) + fixed_seconds)
         if rate > best_rate:
             best, best_rate = taken, rate
     for _, i, d in order[:best]:  # a prefix of the order holds a prefix of each chain
@@ -57,16 +59,23 @@ def plan_depths(confidences: Sequence[Sequence[float]], min_depths: Sequence[int
 
 @dataclass
 class RoundCalibration:
-    """g: the ratio of the EMAs of accepted and predicted draft tokens over verified chains (thread-safe)."""
+    """What the planner learns from served rounds (thread-safe): g, the ratio of the EMAs of accepted and predicted
+    draft tokens over verified chains, and F, the EMA of the seconds a step waited for its drafter round."""
 
     alpha: float = 0.1
     sums: tuple[float, float] = (1.0, 1.0)  # starts trusting the confidences
+    round_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def value(self) -> float:
         accepted, predicted = self.sums
         return min(max(accepted / predicted, 0.02), 2.0) if predicted > 0 else 1.0
+
+    def observe_round(self, seconds: float) -> None:
+        with self.lock:
+            first = self.round_seconds == 0.0
+            self.round_seconds = seconds if first else self.round_seconds + self.alpha * (seconds - self.round_seconds)
 
     def observe(self, predicted: float, accepted: int) -> None:
         with self.lock:

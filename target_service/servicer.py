@@ -237,7 +237,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not values or self.engine is None or not self.engine.cost_tables:
             return [None] * len(proposals)
         depths = iter(plan_depths(values, [1] * len(values), self.round_calibration.value,
-                                  self._cost_tables(self.engine)[1].seconds))
+                                  self._cost_tables(self.engine)[1].seconds, self.round_calibration.round_seconds))
         return [None if v is None else next(depths) for v in chains]
 
     def _round_drafted(self, session_ids: list[str]) -> None:
@@ -465,6 +465,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self._drafter_failed(drafting, reply.error)
             reply_depth = reply.depth
             report.draft_seconds = time.perf_counter() - t0
+            if reply.replies is not None:
+                self.round_calibration.observe_round(report.draft_seconds)
             if proposal is not None and planned.reply is None:  # asked for within this wait
                 report.draft_compute_seconds = proposal.compute_seconds
         if proposal is None:

@@ -14,7 +14,7 @@ def compute_bound(lanes: int, rows_per_lane: float) -> float:
     return 0.030 + 0.020 * lanes * rows_per_lane
 
 
-def rate_of(depths, confidences, calibration, seconds):
+def rate_of(depths, confidences, calibration, seconds, fixed=0.0):
     """The expected goodput of verifying depths[i] tokens of chain i, from the definition."""
     n = len(confidences)
     expected = n
@@ -23,13 +23,13 @@ def rate_of(depths, confidences, calibration, seconds):
         for x in c[:m]:
             p *= x
             expected += min(1.0, calibration * p)
-    return expected / seconds(n, (n + sum(depths)) / n)
+    return expected / (seconds(n, (n + sum(depths)) / n) + fixed)
 
 
-def brute_force(confidences, min_depths, calibration, seconds):
+def brute_force(confidences, min_depths, calibration, seconds, fixed=0.0):
     """The best goodput over every combination of depths (the independent reference)."""
     ranges = [range(m, len(c) + 1) for c, m in zip(confidences, min_depths, strict=True)]
-    return max(rate_of(depths, confidences, calibration, seconds) for depths in itertools.product(*ranges))
+    return max(rate_of(depths, confidences, calibration, seconds, fixed) for depths in itertools.product(*ranges))
 
 
 def test_the_round_decision_flips_from_speculation_to_ar_as_sessions_grow():
@@ -60,6 +60,16 @@ def test_calibration_scales_the_survival():
     assert sum(doubting) < sum(trusting)
 
 
+def test_a_costly_drafter_round_makes_deeper_verifies_pay():
+    # 2 sessions, chains whose second tokens do not pay for their rows with a free drafter; a 200 ms round spent
+    # anyway (four forwards' worth of this table) makes them pay
+    chain = [0.6, 0.5, 0.5, 0.5]
+    free = plan_depths([chain] * 2, [1] * 2, 1.0, compute_bound)
+    paid = plan_depths([chain] * 2, [1] * 2, 1.0, compute_bound, fixed_seconds=0.2)
+    assert free == [1, 1] and paid == [2, 2]
+    assert rate_of(paid, [chain] * 2, 1.0, compute_bound, 0.2) > rate_of(free, [chain] * 2, 1.0, compute_bound, 0.2)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_plan_is_as_good_as_every_combination(seed):
     rng = random.Random(seed)
@@ -68,10 +78,11 @@ def test_the_plan_is_as_good_as_every_combination(seed):
                    for _ in range(n)]
     min_depths = [rng.choice([0, 1]) for _ in range(n)]
     calibration = rng.choice([0.5, 1.0, 1.5])
-    depths = plan_depths(confidences, min_depths, calibration, compute_bound)
+    fixed = rng.choice([0.0, 0.01, 0.05])
+    depths = plan_depths(confidences, min_depths, calibration, compute_bound, fixed)
     assert all(m <= d <= len(c) for d, m, c in zip(depths, min_depths, confidences, strict=True))
-    assert rate_of(depths, confidences, calibration, compute_bound) == pytest.approx(
-        brute_force(confidences, min_depths, calibration, compute_bound), rel=1e-9)
+    assert rate_of(depths, confidences, calibration, compute_bound, fixed) == pytest.approx(
+        brute_force(confidences, min_depths, calibration, compute_bound, fixed), rel=1e-9)
 
 
 def test_calibration_is_a_ratio_of_means():
@@ -80,3 +91,12 @@ def test_calibration_is_a_ratio_of_means():
         cal.observe(predicted=4.0, accepted=1)
     assert cal.value == pytest.approx(0.25, rel=1e-3)
     assert predicted_accepted([0.5, 0.5, 0.5], 2) == pytest.approx(0.5 + 0.25)
+
+
+def test_the_round_seconds_are_an_average_that_starts_at_the_first_round():
+    cal = RoundCalibration(alpha=0.5)
+    assert cal.round_seconds == 0.0
+    cal.observe_round(0.004)
+    assert cal.round_seconds == pytest.approx(0.004)
+    cal.observe_round(0.002)
+    assert cal.round_seconds == pytest.approx(0.003)
