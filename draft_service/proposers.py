@@ -127,8 +127,10 @@ def drafter_pass(d: Drafter, jobs: list[PassJob], compiled: CompiledChain | None
                  ) -> list[tuple[BlockOutput | None, Chain | None]]:
     """One drafter pass for the sessions of `jobs`, then the greedy chains of those that want one, as one batched
     chain (runtime/drafting/markov.py `draft_chains`) instead of one per session. A lone session that wants only
-    its greedy chain takes the `compiled` graph when there is one (no BlockOutput then)."""
-    if compiled is not None and len(jobs) == 1 and jobs[0].greedy_chain and jobs[0].chain_only:
+    its greedy chain takes the `compiled` graph where there is one and it `takes` the context (no BlockOutput
+    then)."""
+    if (compiled is not None and len(jobs) == 1 and jobs[0].greedy_chain and jobs[0].chain_only
+            and compiled.takes(jobs[0].context)):
         return [(None, compiled(jobs[0].context, jobs[0].anchor_token))]
     outs = d.forward_blocks([(job.context, job.anchor_token) for job in jobs])
     chains: list[Chain | None] = [None] * len(jobs)

@@ -1,17 +1,18 @@
-"""The fast drafter's greedy chain as one compiled graph (torch.compile, inductor): one session's block
-[anchor, MASK x (B-1)] through the draft layers against its context K/V, the head, the Markov chain and the
-confidences, in one call.
+"""The fast drafter's greedy chain as one compiled graph (torch.compile, inductor): one session's new context rows
+projected to K/V, its block [anchor, MASK x (B-1)] through the draft layers against the context, the head, the Markov
+chain and the confidences, in one call.
 
 Eager, that pass is a few hundred small torch calls for a few hundred microseconds of arithmetic; the served drafter
-round mostly paid their overhead (docs/PERFORMANCE.md). The graph computes what `Drafter.forward_blocks` and
-`markov.draft_chains` compute, through the same functions (`Drafter.draft_rows`, `greedy_chains`,
-`chain_confidences`), with the Markov biases computed rather than looked up in the head's cache; fused kernels round
-differently, so a token may differ from the eager chain's where two logits nearly tie. A draft is only a guess: the
-target's output never depends on it.
+round mostly paid their overhead (docs/PERFORMANCE.md). The graph computes what `project_waiting`,
+`Drafter.forward_blocks` and `markov.draft_chains` compute, through the same functions (`Drafter.context_kv`,
+`Drafter.draft_rows`, `greedy_chains`, `chain_confidences`), with the Markov biases computed rather than looked up in
+the head's cache; fused kernels round differently, so a token may differ from the eager chain's where two logits
+nearly tie. A draft is only a guess: the target's output never depends on it.
 
-Only a lone session's greedy chain runs here (several sessions' blocks in one pass, trees and sampled chains stay
-eager). Like the target's step (runtime/kernels/compiled_step.py), the graph is compiled ahead of time with every
-size but the context length fixed, saved under a key of what the trace depends on, and loaded at the next start.
+Only a lone session's greedy chain runs here, once its context holds projected rows and new ones wait (several
+sessions' blocks in one pass, trees, sampled chains, a first round's prompt stay eager). Like the target's step
+(runtime/kernels/compiled_step.py), the graph is compiled ahead of time with every size but the context lengths
+fixed, saved under a key of what the trace depends on, and loaded at the next start.
 """
 
 from __future__ import annotations
@@ -35,23 +36,29 @@ from dspark_grpc.runtime.progress import still_working
 if TYPE_CHECKING:
     from dspark_grpc.runtime.models.drafter import DraftContext, Drafter
 
-TRACE_CONTEXT = 16  # context rows of the example the graph is traced on (not 0 or 1: those sizes get specialized)
+# the example the graph is traced on: projected and new context rows (not 0 or 1, nor equal: those get specialized)
+TRACE_CONTEXT, TRACE_NEW = 16, 3
 
 
-def chain_graph(drafter: Drafter, ks: list[torch.Tensor], vs: list[torch.Tensor], anchor: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ks/vs: each draft layer's context K/V [num_kv_heads, n, head_dim] (n rows, RoPE at 0..n-1); anchor [1]
-    target id at position n -> the greedy chain's target ids [K], log-probs [K] and confidences [K] (empty without
-    a confidence head)."""
+def chain_graph(drafter: Drafter, ks: list[torch.Tensor], vs: list[torch.Tensor], new_rows: torch.Tensor,
+                anchor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """ks/vs: each draft layer's projected context K/V [num_kv_heads, n, head_dim] (RoPE at 0..n-1); new_rows
+    [m, m_layers * target_hidden] the context rows n..n+m-1 not projected yet; anchor [1] target id at position
+    n + m -> the greedy chain's target ids [K], log-probs [K], confidences [K] (empty without a confidence head),
+    and the new rows' K and V [num_layers, num_kv_heads, m, head_dim] for the cache."""
     c = drafter.config
-    B, n = c.block_size, ks[0].shape[1]
+    B, n, m = c.block_size, ks[0].shape[1], new_rows.shape[0]
+    new = drafter.context_kv(new_rows, torch.arange(n, n + m, device=anchor.device))
+    ks = [torch.cat([k, nk], dim=1) for k, (nk, _) in zip(ks, new, strict=True)]
+    vs = [torch.cat([v, nv], dim=1) for v, (_, nv) in zip(vs, new, strict=True)]
     tokens = torch.cat([anchor, anchor.new_full((B - 1,), c.mask_token_id)])[None]
-    positions = torch.arange(B, device=anchor.device) + n
+    positions = torch.arange(B, device=anchor.device) + n + m
     rows, post, logits = drafter.draft_rows(tokens, positions,
                                             lambda i: [Segment(0, B, None, BlockKV(ks[i], vs[i]))])
     g = greedy_chains(logits, anchor, drafter.markov, post, drafter.d2t, cached=False)
     conf = chain_confidences(drafter.confidence, rows, post, g.embeddings)
-    return g.tokens[0], g.logprobs[0], conf[0] if conf is not None else logits.new_zeros(0)
+    return (g.tokens[0], g.logprobs[0], conf[0] if conf is not None else logits.new_zeros(0),
+            torch.stack([k for k, _ in new]), torch.stack([v for _, v in new]))
 
 
 def can_compile_drafter(drafter: Drafter) -> str | None:
@@ -114,7 +121,8 @@ class CompiledChain:
             # one tensor per K and V: the graph must not be traced on aliased inputs
             context = [torch.zeros(c.num_kv_heads, TRACE_CONTEXT, c.head_dim, dtype=self.drafter.dtype)
                        for _ in range(2 * c.num_layers)]
-            self._call(context[::2], context[1::2], 0)
+            new_rows = torch.zeros(TRACE_NEW, c.fc_in_features, dtype=self.drafter.dtype)
+            self._call(context[::2], context[1::2], new_rows, 0)
         seconds = time.perf_counter() - t0
         if progress:
             where = f"loaded from {self.path}" if self.source == "loaded" else (
@@ -122,19 +130,27 @@ class CompiledChain:
             print(f"[dspark] drafter chain graph ready ({where}; {seconds:.1f} s)", file=sys.stderr, flush=True)
         return seconds
 
+    @staticmethod
+    def takes(context: DraftContext) -> bool:
+        """Whether the graph drafts after `context`: some rows projected and some waiting."""
+        return context.cache.length > 0 and bool(context.waiting)
+
     @torch.no_grad()
     def __call__(self, context: DraftContext, anchor_token: int) -> Chain:
-        """The greedy chain of the block after `context` (its waiting rows projected first)."""
-        n = context.length
-        kv = [context.layer_kv(i) for i in range(self.drafter.config.num_layers)]
+        """The greedy chain of the block after `context` (`takes(context)`); its waiting rows are projected."""
+        assert self.takes(context)
+        n, dtype = context.cache.length, self.drafter.dtype
+        cache = context.cache  # (its projected rows: DraftContext.layer_kv would project the waiting ones)
         # contiguous: the graph runs without guards, traced on contiguous K/V
-        tokens, logprobs, conf = self._call([k.contiguous() for k, _ in kv], [v.contiguous() for _, v in kv],
-                                            anchor_token)
-        assert tokens.shape[0] == self.drafter.config.num_drafts and n == context.length
+        tokens, logprobs, conf, k_new, v_new = self._call(
+            [k[:, :n].contiguous() for k in cache.k], [v[:, :n].contiguous() for v in cache.v],
+            context.waiting_rows().to(dtype).contiguous(), anchor_token)
+        context.store(list(zip(k_new, v_new, strict=True)))
+        assert tokens.shape[0] == self.drafter.config.num_drafts
         return Chain(tokens.tolist(), logprobs, conf if conf.numel() else None)
 
-    def _call(self, ks: list[torch.Tensor], vs: list[torch.Tensor], anchor_token: int):
-        args = (self.drafter, ks, vs, torch.tensor([anchor_token]))
+    def _call(self, ks: list[torch.Tensor], vs: list[torch.Tensor], new_rows: torch.Tensor, anchor_token: int):
+        args = (self.drafter, ks, vs, new_rows, torch.tensor([anchor_token]))
         if self.graph is None:
             self.graph = self._prepare(args)
         return self.graph(*args)
@@ -146,12 +162,16 @@ class CompiledChain:
             self.source = "loaded"
             return graph
         import torch._dynamo.config as dynamo_config
+        import torch.fx.experimental._config as fx_config
 
+        fx_config.use_duck_shape = False  # n and m are unrelated sizes (as in CompiledStep)
+        fx_config.backed_size_oblivious = True  # m = 1 too: no size is specialized
         for t in model_tensors(self.drafter):
             torch._dynamo.mark_static(t)
-        for t in (*args[1], *args[2]):  # only the context length varies
+        for t in (*args[1], *args[2]):  # only the context lengths vary
             torch._dynamo.mark_static(t, 0)
             torch._dynamo.mark_static(t, 2)
+        torch._dynamo.mark_static(args[3], 1)
         dynamo = torch.compile(chain_graph, fullgraph=True, dynamic=True,
                                options={"size_asserts": False, "cpp_wrapper": self.mode == "max",
                                         "cpp.dynamic_threads": True})

@@ -221,6 +221,21 @@ class DraftContext:
             keep -= rows.shape[0]
         self.waiting = kept
 
+    def waiting_rows(self) -> Tensor:
+        """The rows appended since the last projection, as one [n, m * target_hidden] tensor."""
+        return torch.cat(self.waiting) if len(self.waiting) > 1 else self.waiting[0]
+
+    def store(self, kv: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """The waiting rows' K/V, per layer [num_kv_heads, n, head_dim] (`Drafter.context_kv` of `waiting_rows`),
+        into the cache: they are projected."""
+        n = kv[0][0].shape[1]
+        assert n == self.length - self.cache.length, (n, self.length, self.cache.length)
+        self.cache.begin(n)
+        for i, (k, v) in enumerate(kv):
+            self.cache.layer(i).update(k.to(self.cache.dtype), v.to(self.cache.dtype))
+        self.cache.commit(range(n))
+        self.waiting = []
+
     def layer_kv(self, index: int) -> tuple[Tensor, Tensor]:
         """Layer `index`'s context K, V [num_kv_heads, length, head_dim] (views)."""
         project_waiting([self])
@@ -231,22 +246,17 @@ class DraftContext:
 @torch.no_grad()
 def project_waiting(contexts: Sequence[DraftContext]) -> None:
     """The waiting rows of `contexts` (of one drafter) into their K/V caches, in one `context_kv` call."""
-    todo = [ctx for ctx in contexts if ctx.waiting]
+    todo = list({id(ctx): ctx for ctx in contexts if ctx.waiting}.values())  # (a context may come twice)
     if not todo:
         return
     drafter = todo[0].drafter
     assert all(ctx.drafter is drafter for ctx in todo)
-    rows = [torch.cat(ctx.waiting) if len(ctx.waiting) > 1 else ctx.waiting[0] for ctx in todo]
+    rows = [ctx.waiting_rows() for ctx in todo]
     positions = torch.cat([torch.arange(ctx.cache.length, ctx.cache.length + r.shape[0])
                            for ctx, r in zip(todo, rows, strict=True)])
     kv = drafter.context_kv(torch.cat(rows) if len(rows) > 1 else rows[0], positions)
     offset = 0
     for ctx, r in zip(todo, rows, strict=True):
         n = r.shape[0]
-        ctx.cache.begin(n)
-        for i, (k, v) in enumerate(kv):
-            ctx.cache.layer(i).update(k[:, offset: offset + n].to(ctx.cache.dtype),
-                                      v[:, offset: offset + n].to(ctx.cache.dtype))
-        ctx.cache.commit(range(n))
-        ctx.waiting = []
+        ctx.store([(k[:, offset: offset + n], v[:, offset: offset + n]) for k, v in kv])
         offset += n

@@ -12,13 +12,14 @@ from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
 from dspark_grpc.runtime.kernels.compiled_draft import TRACE_CONTEXT, CompiledChain, can_compile_drafter
 from dspark_grpc.runtime.kernels.compiled_step import missing_compiler
 from dspark_grpc.runtime.models.config import ModelConfig
+from dspark_grpc.runtime.models.drafter import project_waiting
 
 pytestmark = pytest.mark.skipif(missing_compiler() is not None, reason="inductor needs a C++ compiler")
 
 TARGET = ModelConfig(architecture="llama", name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
                      rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True)
-CONTEXTS = (1, 2, 7, TRACE_CONTEXT, 61)
+CONTEXTS = (1, TRACE_CONTEXT, 61)
 
 
 def tiny_drafter():
@@ -41,10 +42,13 @@ def compiled(tmp_path_factory):
     return chain
 
 
-def context_of(drafter, rows: int, seed: int):
+def context_of(drafter, projected: int, waiting: int, seed: int):
+    """A context of `projected` rows already in its K/V cache and `waiting` rows appended since."""
     ctx = drafter.new_context()
     g = torch.Generator().manual_seed(seed)
-    ctx.append(torch.randn(rows, 2, TARGET.hidden_size, generator=g), 0)
+    ctx.append(torch.randn(projected, 2, TARGET.hidden_size, generator=g), 0)
+    project_waiting([ctx])
+    ctx.append(torch.randn(waiting, 2, TARGET.hidden_size, generator=g), projected)
     return ctx
 
 
@@ -54,50 +58,65 @@ def assert_chains_equal(eager, compiled_chain):
     torch.testing.assert_close(compiled_chain.confidences, eager.confidences, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", CONTEXTS)
-def test_the_compiled_chain_drafts_what_the_eager_pass_drafts(compiled, rows):
+@pytest.mark.parametrize("projected", CONTEXTS)
+@pytest.mark.parametrize("waiting", (1, 20))
+def test_the_compiled_chain_drafts_what_the_eager_pass_drafts(compiled, projected, waiting):
     drafter = compiled.drafter
     for anchor in (0, 17, TARGET.vocab_size - 2):
-        ctx = context_of(drafter, rows, seed=rows)
-        more = torch.randn(3, 2, TARGET.hidden_size, generator=torch.Generator().manual_seed(anchor))
-        (_, eager), = drafter_pass(drafter, [PassJob(ctx, anchor, greedy_chain=True)])
-        ctx.append(more, rows)  # rows still waiting are projected first
-        (_, eager_after), = drafter_pass(drafter, [PassJob(ctx, anchor, greedy_chain=True)])
-        ctx.truncate(rows)
+        seed = projected * 100 + waiting
+        eager_ctx, ctx = context_of(drafter, projected, waiting, seed), context_of(drafter, projected, waiting, seed)
+        assert compiled.takes(ctx)
+        (_, eager), = drafter_pass(drafter, [PassJob(eager_ctx, anchor, greedy_chain=True)])
         assert_chains_equal(eager, compiled(ctx, anchor))
-        ctx.append(more, rows)
-        assert_chains_equal(eager_after, compiled(ctx, anchor))
+        assert not ctx.waiting and ctx.length == eager_ctx.length == projected + waiting  # projected, as eagerly
+        for i in range(drafter.config.num_layers):
+            for ours, theirs in zip(ctx.layer_kv(i), eager_ctx.layer_kv(i), strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_a_saved_chain_loads_and_drafts_the_same(compiled):
     again = CompiledChain(compiled.drafter, compiled.cache_dir, mode="fast")
     again.warm_up(progress=False)
     assert again.source == "loaded"
-    ctx = context_of(compiled.drafter, 9, seed=1)
-    assert_chains_equal(compiled(ctx, 5), again(ctx, 5))
+    a, b = (context_of(compiled.drafter, 9, 2, seed=1) for _ in range(2))
+    assert_chains_equal(compiled(a, 5), again(b, 5))
+
+
+class Counted:
+    def __init__(self, compiled: CompiledChain) -> None:
+        self.compiled, self.calls = compiled, []
+
+    def takes(self, ctx) -> bool:
+        return self.compiled.takes(ctx)
+
+    def __call__(self, ctx, anchor):
+        self.calls.append(anchor)
+        return self.compiled(ctx, anchor)
 
 
 def test_the_engine_takes_the_graph_for_a_lone_greedy_chain_only(compiled):
     drafter = compiled.drafter
     engine = DraftEngine(drafter, TARGET.vocab_size, ("model", "tokenizer"), "tiny", DraftLimits())
-    calls = []
-
-    def counted(ctx, anchor):
-        calls.append(anchor)
-        return compiled(ctx, anchor)
-
-    engine.compiled = counted
+    engine.compiled = counted = Counted(compiled)
+    features = torch.randn(16, 2, TARGET.hidden_size, generator=torch.Generator().manual_seed(2))
     try:
         sid = engine.open_session(("model", "tokenizer"))
-        engine.append(sid, 0, list(range(12)), [0, 3], torch.randn(12, 2, TARGET.hidden_size))
-        chain = engine.propose(sid, 7, 12, proposer="dspark")
-        assert calls == [7]
-        assert chain.tokens[1:] == compiled(engine.sessions.get(sid).context, 7).tokens
-        calls.clear()
-        tree = engine.propose(sid, 7, 12, tree=True, budget=6, proposer="dspark")  # a tree: the eager pass
-        sampled = engine.propose(sid, 7, 12, proposer="dspark", temperature=1.0,
+        engine.append(sid, 0, list(range(12)), [0, 3], features[:12])
+        first = engine.propose(sid, 7, 12, proposer="dspark")  # the prompt's rows: projected eagerly
+        assert counted.calls == [] and len(first.tokens) == 5
+        engine.append(sid, 12, [7, 8], [0, 3], features[12:14])
+        chain = engine.propose(sid, 9, 14, proposer="dspark")
+        assert counted.calls == [9]
+        reference = drafter.new_context()
+        reference.append(features[:14], 0)
+        (_, eager), = drafter_pass(drafter, [PassJob(reference, 9, greedy_chain=True)])
+        assert chain.tokens == [9, *eager.tokens]
+        engine.append(sid, 14, [9], [0, 3], features[14:15])
+        tree = engine.propose(sid, 7, 15, tree=True, budget=6, proposer="dspark")  # a tree: the eager pass
+        engine.append(sid, 15, [7], [0, 3], features[15:16])
+        sampled = engine.propose(sid, 7, 16, proposer="dspark", temperature=1.0,
                                  generator=torch.Generator().manual_seed(0))
-        assert calls == [] and len(tree.tokens) == 7 and len(sampled.tokens) == 5
+        assert counted.calls == [9] and len(tree.tokens) == 7 and len(sampled.tokens) == 5
     finally:
         engine.close()
 
