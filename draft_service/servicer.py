@@ -16,6 +16,7 @@ from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unavai
 from dspark_grpc.speculation.wire import KERNEL_NAMES, PROPOSER_NAMES, PROPOSERS
 
 _SLOTS = {"dspark": draft_pb2.SLOT_CONVENTION_DSPARK, "dflash": draft_pb2.SLOT_CONVENTION_DFLASH}
+INLINE_MAX_ROWS = 64  # new context rows a round handled on the event loop may bring (see DraftServicer._inline)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -60,12 +61,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             yield response
 
     def _inline(self, request: draft_pb2.DraftSessionRequest) -> bool:
-        """A round with at most one proposal, while no other operation runs, on a drafter on one torch thread: on
-        the event loop (its drafter pass then runs there too; a few milliseconds in which other streams wait)."""
+        """A decode round (at most one proposal, a few new context rows), while no other operation runs, on a
+        drafter on one torch thread: on the event loop (its drafter pass then runs there too; a few milliseconds in
+        which other streams wait, never a prompt's projection)."""
         engine = self.engine
-        return (engine is not None and self._running == 0 and engine.one_thread()
-                and request.WhichOneof("op") == "round"
-                and sum(o.WhichOneof("op") == "propose" for o in request.round.ops) <= 1)
+        if engine is None or self._running or not engine.one_thread() or request.WhichOneof("op") != "round":
+            return False
+        ops = [o.WhichOneof("op") for o in request.round.ops]
+        rows = sum(len(o.append.tokens) for o, kind in zip(request.round.ops, ops, strict=True) if kind == "append")
+        return ops.count("propose") <= 1 and rows <= INLINE_MAX_ROWS
 
     def _release_owner(self, owner: object) -> None:
         if self.engine is not None:

@@ -169,3 +169,33 @@ def test_draft_service_defaults_to_one_torch_thread():
 
     assert draft_parser().parse_args(["serve"]).threads == 1
     assert target_parser().parse_args(["serve"]).threads == 0  # torch's default: the target gets every core
+
+
+def test_the_draft_service_handles_a_decode_round_on_its_event_loop_and_nothing_else():
+    """DraftServicer._inline: a round with at most one proposal and a few new rows, while nothing else runs, on a
+    one-thread drafter; a prompt's round, several proposals, other ops, a busy service or an OpenMP team: a thread."""
+    from dspark_grpc.draft_service.engine import DraftEngine, DraftLimits
+    from dspark_grpc.draft_service.servicer import INLINE_MAX_ROWS, DraftServicer
+    from dspark_grpc.protos.dspark.v1 import draft_pb2
+    from dspark_grpc.serving.threads import ThreadGovernor
+
+    servicer = DraftServicer(max_message_bytes=1 << 20)
+    engine = DraftEngine(None, 64, ("model", "tokenizer"), "prompt lookup", DraftLimits())
+    engine.threads = ThreadGovernor(1)
+    servicer.engine = engine
+
+    def round_of(proposals: int, rows: int) -> draft_pb2.DraftSessionRequest:
+        ops = [draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(session_id="s", tokens=[1] * rows))]
+        ops += [draft_pb2.DraftSessionRequest(propose=draft_pb2.Propose(session_id="s"))] * proposals
+        return draft_pb2.DraftSessionRequest(round=draft_pb2.DraftRound(ops=ops))
+
+    assert servicer._inline(round_of(1, 3)) and servicer._inline(round_of(1, INLINE_MAX_ROWS))
+    assert not servicer._inline(round_of(1, INLINE_MAX_ROWS + 1))  # a prompt's rows: projected off the loop
+    assert not servicer._inline(round_of(2, 1))
+    assert not servicer._inline(draft_pb2.DraftSessionRequest(append=draft_pb2.AppendContext(session_id="s")))
+    servicer._running = 1
+    assert not servicer._inline(round_of(1, 3))
+    servicer._running = 0
+    engine.threads = ThreadGovernor(2, set_threads=lambda n: None)
+    assert not servicer._inline(round_of(1, 3))
+    engine.close()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from dspark_grpc.runtime.drafting.markov import Chain, chain_confidences, greedy_chains
-from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, load_step, model_tensors, save_step
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, compile_ahead, load_step, model_tensors
 from dspark_grpc.runtime.models.drafter import BlockKV
 from dspark_grpc.runtime.models.linear import Linear
 from dspark_grpc.runtime.models.transformer import Segment
@@ -161,7 +161,6 @@ class CompiledChain:
         if path is not None and (graph := load_step(path)) is not None:
             self.source = "loaded"
             return graph
-        import torch._dynamo.config as dynamo_config
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False  # n and m are unrelated sizes (as in CompiledStep)
@@ -172,13 +171,6 @@ class CompiledChain:
             torch._dynamo.mark_static(t, 0)
             torch._dynamo.mark_static(t, 2)
         torch._dynamo.mark_static(args[3], 1)
-        dynamo = torch.compile(chain_graph, fullgraph=True, dynamic=True,
-                               options={"size_asserts": False, "cpp_wrapper": self.mode == "max",
-                                        "cpp.dynamic_threads": True})
-        with dynamo_config.patch(specialize_float=True):
-            graph = dynamo.aot_compile((args, {}))
-        if path is not None:
-            save_step(graph, path)
-        graph.disable_guard_check()
+        graph = compile_ahead(chain_graph, args, self.mode, path)
         self.source = "compiled"
         return graph

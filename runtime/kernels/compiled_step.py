@@ -207,6 +207,25 @@ def save_step(step, path: Path) -> bool:
     return True
 
 
+def compile_ahead(graph: Callable, args: tuple, mode: str, path: Path | None, options: dict | None = None) -> Callable:
+    """`graph(*args)` compiled ahead of time (torch.compile: one full graph, sizes dynamic unless the caller marked
+    them static), saved to `path` (None: not saved), its guards off: callers pass inputs of the traced structure.
+    mode "max": inductor's C++ wrapper."""
+    import torch._dynamo.config as dynamo_config  # (here: importing dynamo takes a second of every start)
+
+    # size_asserts: the inputs have one fixed structure (as for the disabled guards); dynamic_threads: the kernels'
+    # parallel regions use the caller's thread count at run time (serving/threads.py), not the count at compile time
+    dynamo = torch.compile(graph, fullgraph=True, dynamic=True,
+                           options={"size_asserts": False, "cpp_wrapper": mode == "max", "cpp.dynamic_threads": True,
+                                    **(options or {})})
+    with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
+        compiled = dynamo.aot_compile((args, {}))
+    if path is not None:
+        save_step(compiled, path)
+    compiled.disable_guard_check()
+    return compiled
+
+
 class CompiledStep:
     """The model's step graph and the slot store every session's cache lives in. `cache_dir`: where compiled steps
     are saved and looked up (None: compiled at every start). `mode` "max": the graph's Python wrapper (a call per
@@ -278,24 +297,12 @@ class CompiledStep:
             self.source = "loaded"
             return step
         assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
-        import torch._dynamo.config as dynamo_config  # (here: importing dynamo takes a second of every start)
-
         for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
             torch._dynamo.mark_static(t)
         for t in (*self.store.k, *self.store.v):  # only slots and capacity vary: 2 sizes passed per call, not 122
             torch._dynamo.mark_static(t, 1)
             torch._dynamo.mark_static(t, 3)
-        # size_asserts: the step's inputs have one fixed structure (as for its disabled guards); dynamic_threads: the
-        # kernels' parallel regions use the caller's thread count at run time (serving/threads.py), not the count
-        # at compile time
-        dynamo = torch.compile(step_graph, fullgraph=True, dynamic=True,
-                               options={"emulate_precision_casts": True, "size_asserts": False,
-                                        "cpp_wrapper": self.mode == "max", "cpp.dynamic_threads": True})
-        with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
-            step = dynamo.aot_compile((args, {}))
-        if path is not None:
-            save_step(step, path)
-        step.disable_guard_check()
+        step = compile_ahead(step_graph, args, self.mode, path, {"emulate_precision_casts": True})
         self.source = "compiled"
         return step
 
