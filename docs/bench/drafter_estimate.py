@@ -1,36 +1,64 @@
-"""dspark-train's held-out estimate for several drafters on the same cached held-out sequences.
+"""dspark-train's held-out estimate for several drafters on the same held-out sequences.
 
     PYTHONPATH=. .venv/bin/python docs/bench/drafter_estimate.py .cache/dspark-train/<key> DRAFTER [DRAFTER ...]
+    PYTHONPATH=. .venv/bin/python docs/bench/drafter_estimate.py docs/prompts/heldout.jsonl DRAFTER [DRAFTER ...]
 
-<key> is the feature cache of a dspark-train run (its held-out shards); each DRAFTER is a drafter directory for the
-embedded target. Prints the acceptance length and the per-position acceptance of greedy chains (runtime/train/loop.py
-`evaluate`, the estimate dspark-train logs at every eval).
+The sequences: the held-out shards of a dspark-train feature cache (<key>), or a bench prompts file's prompts
+continued greedily by the embedded target in the fast precision (up to 128 new tokens, as `dspark bench
+--max-new-tokens 128` does; chat prompts in the chat template, plain prompts as they are), with an anchor at every
+position. Each DRAFTER is a drafter directory for the embedded target. Prints the acceptance length and the
+per-position acceptance of greedy chains (runtime/train/loop.py `evaluate`, the estimate dspark-train logs at every
+eval).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
-from dspark_grpc.runtime.train.data import TargetSequence
+from dspark_grpc.runtime.train.cli import load_target
+from dspark_grpc.runtime.train.data import Prompt, TargetSequence, encode_prompt, generate_batch
 from dspark_grpc.runtime.train.loop import TrainSettings, evaluate
 from dspark_grpc.runtime.train.vocab import DraftVocab
 
+NEW_TOKENS = 128
 
-def main(cache: str, drafters: list[str]) -> None:
-    sequences = [TargetSequence(**r) for path in sorted(Path(cache).glob("shard-heldout-*.pt"))
-                 for r in torch.load(path, weights_only=True)]
-    print(f"{len(sequences)} held-out sequences from {cache}")
-    for path in drafters:
-        drafter = load_drafter(path, target_path=default_model_path())
+
+def prompt_sequences(path: Path, layer_ids: list[int]) -> list[TargetSequence]:
+    target = load_target(None, torch.device("cpu"), "fast", "max")
+    tok = target.tokenizer
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        item = json.loads(line)
+        if "messages" in item:
+            prompts.append(encode_prompt(tok, Prompt(str(i), item["messages"][-1]["content"], "bench")))
+        else:
+            prompts.append(tok.encode(item["prompt"], add_special_tokens=True))
+    return generate_batch(target.generator, prompts, layer_ids, NEW_TOKENS, eos_ids=tok.eos_token_ids,
+                          prompt_ids=[str(i) for i in range(len(prompts))])
+
+
+def main(source: str, drafters: list[str]) -> None:
+    path = Path(source)
+    if path.suffix == ".jsonl":
+        first = load_drafter(drafters[0], target_path=default_model_path())
+        sequences, anchors = prompt_sequences(path, list(first.config.target_layer_ids)), NEW_TOKENS
+    else:
+        sequences = [TargetSequence(**r) for shard in sorted(path.glob("shard-heldout-*.pt"))
+                     for r in torch.load(shard, weights_only=True)]
+        anchors = TrainSettings().eval_anchors
+    print(f"{len(sequences)} held-out sequences from {source}")
+    for drafter_path in drafters:
+        drafter = load_drafter(drafter_path, target_path=default_model_path())
         c = drafter.config
         vocab = DraftVocab.from_d2t(drafter.d2t, c.vocab_size) if drafter.d2t is not None else DraftVocab.full(
             c.vocab_size)
-        result, _ = evaluate(drafter, sequences, TrainSettings(), vocab.t2d)
-        print(f"{path}: acceptance length {result.acceptance_length:.3f}, per position "
+        result, _ = evaluate(drafter, sequences, TrainSettings(eval_anchors=anchors), vocab.t2d)
+        print(f"{drafter_path}: acceptance length {result.acceptance_length:.3f}, per position "
               f"{[round(x, 3) for x in result.per_position]} ({result.anchors} chains)")
 
 
