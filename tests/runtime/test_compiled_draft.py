@@ -23,9 +23,10 @@ CONTEXTS = (1, TRACE_CONTEXT, 61)
 
 
 def tiny_drafter():
-    """Two layers, a draft vocabulary smaller than the target's (d2t), a Markov head with its bias cache (the eager
-    chain looks biases up, the graph computes them) and a confidence head."""
-    drafter = init_random_drafter(TARGET, num_layers=2, block_size=4, target_layer_ids=(0, 3), markov_rank=8,
+    """One layer (the compile costs per layer; the graph loops over them as the eager pass does), a draft vocabulary
+    smaller than the target's (d2t), a Markov head with its bias cache (the eager chain looks biases up, the graph
+    computes them) and a confidence head."""
+    drafter = init_random_drafter(TARGET, num_layers=1, block_size=4, target_layer_ids=(0, 3), markov_rank=8,
                                   draft_vocab_size=96, seed=3, confidence_temperatures=(1.0, 1.5, 2.0))
     drafter = drafter.eval().requires_grad_(False)
     drafter.markov.cache_biases(64)  # as `pack` does (whose oneDNN packing the graph does not take)
