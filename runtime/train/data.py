@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator, sample
+from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator, multinomial, sample, target_probs
 from dspark_grpc.runtime.formats.checkpoint import Checkpoint
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.models import fixed_rows
+from dspark_grpc.runtime.models.padded import PaddedCache, left_padded, padded_forward
 from dspark_grpc.runtime.models.transformer import SequenceInput, Transformer
 from torch import Tensor
 
@@ -181,7 +183,13 @@ CODE_TASKS = (
     "Write a Python function that finds the two numbers in a list that add up to a target.",
 )
 _DOC_MODULES = ("bisect", "heapq", "textwrap", "statistics", "string", "itertools", "functools", "shlex", "fnmatch",
-                "posixpath", "json", "base64", "difflib", "calendar", "colorsys")
+                "posixpath", "json", "base64", "difflib", "calendar", "colorsys",
+                # appended later (the first ones' tasks keep their order)
+                "shutil", "glob", "tempfile", "urllib.parse", "email.utils", "html", "ipaddress", "copy", "pprint",
+                "dataclasses", "inspect", "ast", "tokenize", "traceback", "warnings", "contextlib", "gzip", "mimetypes",
+                "platform", "quopri", "reprlib", "secrets", "subprocess", "sysconfig", "timeit", "types", "zipfile",
+                "csv", "random", "fractions", "ntpath", "genericpath", "linecache", "keyword", "numbers", "operator",
+                "uuid", "weakref", "configparser", "logging", "argparse", "pathlib", "wave", "zipapp", "codecs")
 
 
 def code_prompts(stdlib_docstrings: int = 0) -> list[Prompt]:
@@ -207,6 +215,8 @@ def _stdlib_docs() -> list[tuple[str, str, str]]:
                 signature = str(inspect.signature(fn))
             except (TypeError, ValueError):
                 continue
+            if " at 0x" in signature or "'/" in signature:  # a default's repr (an address, a local path)
+                continue
             if len(paragraph) >= 40:
                 docs.append((f"{module_name}.{attr}", signature, paragraph))
     return docs
@@ -217,13 +227,25 @@ def _hash(text: str) -> int:
 
 
 def conversation_id(prompt_id: str) -> str:
-    """ShareGPT splits long conversations into pieces `<id>_<n>`: they share a conversation id."""
+    """ShareGPT splits long conversations into pieces `<id>_<n>`: they share a conversation id (and so do a prompt's
+    sampled repeats)."""
+    prompt_id = prompt_id.split(REPEAT)[0]
     base, _, piece = prompt_id.rpartition("_")
     return base if base and piece.isdigit() else prompt_id
 
 
 def is_heldout(prompt_id: str, heldout_fraction: float) -> bool:
     return _hash("heldout:" + conversation_id(prompt_id)) % 1_000_000 < heldout_fraction * 1_000_000
+
+
+REPEAT = "~"  # "<id>~<n>": the n-th extra continuation of a training prompt, always sampled
+
+
+def sampled_repeats(prompts: Sequence[Prompt], repeats: int) -> list[Prompt]:
+    """The prompts, then `repeats` more rounds of them under ids `<id>~<n>`: each continued by sampling with its own
+    seed (more of the target's continuations for the same prompts)."""
+    return list(prompts) + [Prompt(f"{p.id}{REPEAT}{n}", p.text, p.source)
+                            for n in range(1, repeats + 1) for p in prompts]
 
 
 def split_prompts(prompts: Sequence[Prompt], heldout_fraction: float) -> tuple[list[Prompt], list[Prompt]]:
@@ -259,6 +281,8 @@ class GenerationSettings:
     def mode(self, prompt_id: str, heldout: bool) -> str:
         if heldout:
             return "greedy"
+        if REPEAT in prompt_id:
+            return "sampled"
         sampled = _hash(f"mode:{self.seed}:{prompt_id}") % 1_000_000 < self.sampled_fraction * 1_000_000
         return "sampled" if sampled else "greedy"
 
@@ -352,6 +376,91 @@ def generate_batch(
 
 
 @torch.no_grad()
+def generate_padded(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    layer_ids: Sequence[int],
+    max_new_tokens: int,
+    top_k: int = 32,
+    eos_ids: Sequence[int] = (),
+    sampling: Sequence[SamplingParams | None] | None = None,
+    seeds: Sequence[int] | None = None,
+    prompt_ids: Sequence[str] | None = None,
+) -> list[TargetSequence]:
+    """`generate_batch` as one left-padded batch (runtime/models/padded.py): a launch per op for the whole batch,
+    for a GPU. Greedy sequences are the same; sampled ones draw from one generator per sampling setting, seeded by
+    the first such sequence's seed (so a sequence's draws depend on the batch it came in). Finished sequences leave
+    the batch once a quarter of it has finished."""
+    n = len(prompts)
+    sampling = [None] * n if sampling is None else list(sampling)
+    seeds = list(range(n)) if seeds is None else list(seeds)
+    prompt_ids = [str(i) for i in range(n)] if prompt_ids is None else list(prompt_ids)
+    assert len(sampling) == len(seeds) == len(prompt_ids) == n
+    if max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
+        raise ValueError("generation needs non-empty prompts and max_new_tokens >= 1")
+    layers, device = tuple(layer_ids), model.device
+    tokens, positions, valid = left_padded(prompts)
+    P = tokens.shape[1]
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    groups = {}  # sampling setting -> (the rows of the batch it applies to, its generator)
+    for i, params in enumerate(sampling):
+        if params is not None and params not in groups:
+            rows = torch.tensor([j for j in range(n) if sampling[j] == params], device=device)
+            groups[params] = (rows, make_generator(seeds[i], device))
+    cache = PaddedCache.empty(model, n, P + max_new_tokens - 1)
+    with fixed_rows.off():
+        out = padded_forward(model, tokens, positions, valid, cache, layers)
+        features = torch.zeros(n, P + max_new_tokens - 1, *out.captures.shape[2:], dtype=torch.bfloat16,
+                               device=device)
+        features[:, :P] = out.captures.to(torch.bfloat16)
+        k = min(top_k, out.logits.shape[-1])
+        top_values = torch.zeros(n, max_new_tokens, k, device=device)
+        top_ids = torch.zeros(n, max_new_tokens, k, dtype=torch.long, device=device)
+        lse = torch.zeros(n, max_new_tokens, device=device)
+        new = torch.zeros(n, max_new_tokens, dtype=torch.long, device=device)
+        generated = torch.full((n,), max_new_tokens, device=device)
+        eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
+        rows = torch.arange(n, device=device)  # batch row -> sequence
+        live = torch.ones(n, dtype=torch.bool, device=device)  # of the batch rows: still generating
+        logits = out.logits
+        for step in range(max_new_tokens):
+            seq = rows[live]
+            top_values[seq, step], top_ids[seq, step], lse[seq, step] = _topk(logits[live], k)
+            token = logits.argmax(-1)
+            for params, (sampled, generator) in groups.items():
+                hit = torch.isin(rows, sampled)
+                if bool(hit.any()):
+                    token[hit] = multinomial(target_probs(logits[hit], params), generator)[:, 0]
+            new[seq, step] = token[live]
+            finished = live & (torch.isin(token, eos) | (step + 1 == max_new_tokens))
+            generated[rows[finished]] = step + 1
+            live &= ~finished
+            if not bool(live.any()):
+                break
+            if int(live.sum()) <= 0.75 * rows.shape[0]:
+                rows, token, cache, live = rows[live], token[live], cache.select(live), live[live]
+            out = padded_forward(model, token[:, None], (lengths[rows] + step)[:, None],
+                                 torch.ones(rows.shape[0], 1, dtype=torch.bool), cache, layers)
+            features[rows[live], P + step] = out.captures[live, 0].to(torch.bfloat16)
+            logits = out.logits
+    features, top_values, top_ids, lse, new = (t.cpu() for t in (features, top_values, top_ids, lse, new))
+    sequences = []
+    for i in range(n):
+        g, pad = int(generated[i]), P - len(prompts[i])
+        sequences.append(TargetSequence(
+            prompt_id=prompt_ids[i],
+            mode="greedy" if sampling[i] is None else "sampled",
+            tokens=torch.tensor([*prompts[i], *new[i, :g].tolist()], dtype=torch.long),
+            prompt_len=len(prompts[i]),
+            features=features[i, pad: P + g - 1].clone(),
+            topk_values=top_values[i, :g].clone(),
+            topk_ids=top_ids[i, :g].clone(),
+            logsumexp=lse[i, :g].clone(),
+        ))
+    return sequences
+
+
+@torch.no_grad()
 def extract_features(model: Transformer, tokens: Sequence[int], prompt_len: int, layer_ids: Sequence[int],
                      top_k: int = 32, mode: str = "greedy", prompt_id: str = "", chunk_size: int = 256
                      ) -> TargetSequence:
@@ -440,8 +549,10 @@ def build_sequences(
     shard_size: int = 16,
     max_prompt_tokens: int = 256,
     progress: Callable[[str], None] | None = None,
+    generate: Callable[..., list[TargetSequence]] = generate_batch,
 ) -> list[TargetSequence]:
-    """Generate (or load from the cache) one TargetSequence per prompt that fits max_prompt_tokens, shard by shard."""
+    """Generate (or load from the cache) one TargetSequence per prompt that fits max_prompt_tokens, shard by shard
+    (`generate`: generate_batch, the serving forward, or generate_padded)."""
     encoded = [(p, encode_prompt(tokenizer, p)) for p in prompts]
     encoded = [(p, ids) for p, ids in encoded if 0 < len(ids) <= max_prompt_tokens]
     sequences: list[TargetSequence] = []
@@ -453,9 +564,9 @@ def build_sequences(
         loaded = cache.load(index, ids, role) if cache is not None else None
         if loaded is None:
             modes = [settings.mode(p.id, heldout) for p, _ in shard]
-            loaded = generate_batch(model, [t for _, t in shard], layer_ids, settings.max_new_tokens, settings.top_k,
-                                    tokenizer.eos_token_ids, [settings.sampling(m) for m in modes],
-                                    [settings.prompt_seed(i) for i in ids], ids)
+            loaded = generate(model, [t for _, t in shard], layer_ids, settings.max_new_tokens, settings.top_k,
+                              tokenizer.eos_token_ids, [settings.sampling(m) for m in modes],
+                              [settings.prompt_seed(i) for i in ids], ids)
             if cache is not None:
                 cache.save(index, ids, loaded, role)
             made, made_tokens = made + len(shard), made_tokens + sum(s.generated.numel() for s in loaded)

@@ -12,6 +12,7 @@ drafts (tokens per target step, bonus included).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -60,6 +61,10 @@ class TrainSettings:
     eval_batch: int = 8  # held-out sequences per forward
     save_every: int = 0  # 0: only at the end
     losses: LossWeights = field(default_factory=LossWeights)
+    time_budget: float = 0.0  # seconds; > 0: `steps` is cut to what fits, from the rate of the first steps
+
+
+PROBE_STEPS = 30  # steps timed before a time budget sets the schedule's length
 
 
 @dataclass
@@ -240,7 +245,8 @@ def train(
     history: list[EvalResult] = []
     end = settings.steps if until is None else min(until, settings.steps)
     t0, done = time.perf_counter(), 0
-    for step in range(start, end):
+    step = start
+    while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, settings)
         batch = batch_for_step(train_sequences, step, settings, K).to(device)
@@ -266,7 +272,23 @@ def train(
         if out_dir is not None and ((settings.save_every and (step + 1) % settings.save_every == 0) or last
                                     or step + 1 == end):
             save_state(out_dir, drafter, optimizer, step + 1, {"settings": _jsonable(asdict(settings))})
+        step += 1
+        if settings.time_budget > 0 and done == PROBE_STEPS and not last:
+            settings = budgeted(settings, step, time.perf_counter() - t0, done)
+            end = settings.steps if until is None else min(until, settings.steps)
+            if log is not None:
+                log(f"time budget {settings.time_budget:.0f} s: {settings.steps} steps at "
+                    f"{(time.perf_counter() - t0) / done:.3f} s/step")
     return history
+
+
+def budgeted(settings: TrainSettings, step: int, elapsed: float, done: int, spare: float = 0.15) -> TrainSettings:
+    """settings with `steps` cut to what fits the time budget at the rate so far (a share `spare` of the budget
+    kept for evaluations and checkpoints); never more than settings.steps, never fewer than one more step than done
+    (the last one evaluates and saves)."""
+    rate = elapsed / max(1, done)
+    fits = step + int(max(0.0, settings.time_budget * (1 - spare) - elapsed) / max(rate, 1e-9))
+    return dataclasses.replace(settings, steps=min(settings.steps, max(step + 1, fits)))
 
 
 def _jsonable(value: object) -> object:

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 from dspark_grpc.runtime.train import cli
@@ -69,3 +70,41 @@ def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
     resumed = load_drafter(out / "drafter", target_path=target)
     for (name, a), (_, b) in zip(drafter.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def cli_args(tiny: Tiny, tmp_path: Path) -> list[str]:
+    target = Path(shutil.copytree(tiny.path, tmp_path / "target"))
+    add_tokenizer(target)
+    sharegpt = write_sharegpt(tmp_path / "sharegpt.json")
+    return ["--target", str(target), "--out", str(tmp_path / "out"), "--sharegpt", str(sharegpt),
+            "--cache-dir", str(tmp_path / "cache"), "--train-prompts", "12", "--heldout-prompts", "6",
+            "--heldout-fraction", "0.3", "--code-prompts", "0", "--max-new-tokens", "10", "--top-k", "8",
+            "--layers", "1", "--draft-vocab", "64", "--markov-rank", "8", "--steps", "4", "--batch", "4",
+            "--anchors", "4", "--eval-every", "2", "--eval-anchors", "4", "--threads", "1", "--compile", "off"]
+
+
+def test_cli_generate_only_with_the_padded_generator_and_sampled_repeats(tiny: Tiny, tmp_path: Path):
+    args = cli_args(tiny, tmp_path)
+    assert cli.main([*args, "--generator", "padded", "--sampled-repeats", "2", "--gen-batch", "64",
+                     "--generate-only"]) == 0
+    assert not (tmp_path / "out" / "report.json").exists()
+    records = [r for shard in (tmp_path / "cache").glob("*/shard-train-*.pt")
+               for r in torch.load(shard, weights_only=True)]
+    first = [r for r in records if "~" not in r["prompt_id"]]
+    assert len(records) == 3 * len(first) and first
+    assert all(r["mode"] == "sampled" for r in records if "~" in r["prompt_id"])
+    for r in records:
+        assert r["features"].shape[0] == r["tokens"].shape[0] - 1 and r["topk_ids"].shape[0] == r["tokens"].shape[0] \
+            - r["prompt_len"]
+
+
+@pytest.mark.cuda
+def test_cli_on_cuda(tiny: Tiny, tmp_path: Path):
+    """The whole run on a GPU (`make gpu-check`): the padded generator, training, calibration and the export."""
+    args = cli_args(tiny, tmp_path)
+    assert cli.main([*args, "--device", "cuda", "--sampled-repeats", "1", "--time-budget", "5",
+                     "--export", str(tmp_path / "export")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [e["step"] for e in report["eval"]] == [0, 2, 4] and report["args"]["device"] == "cuda"
+    exported = load_drafter(tmp_path / "export", target_path=tmp_path / "target")
+    assert exported.config.num_layers == 1 and exported.device.type == "cpu"

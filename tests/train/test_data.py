@@ -16,6 +16,7 @@ from dspark_grpc.runtime.train.data import (
     code_prompts,
     extract_features,
     generate_batch,
+    generate_padded,
     is_heldout,
     iter_json_array,
     read_sharegpt,
@@ -66,6 +67,18 @@ def test_split_and_shuffle_are_deterministic_and_keep_conversations_together():
     assert shuffle_prompts(ps, seed=4) != order
 
 
+def test_sampled_repeats_are_sampled_and_stay_with_their_conversation():
+    base = [Prompt("abc_0", "one", "sharegpt"), Prompt("code-001", "two", "code")]
+    repeated = data.sampled_repeats(base, 2)
+    assert [p.id for p in repeated] == ["abc_0", "code-001", "abc_0~1", "code-001~1", "abc_0~2", "code-001~2"]
+    assert [p.text for p in repeated[2:4]] == ["one", "two"]
+    settings = GenerationSettings(sampled_fraction=0.0)
+    assert [settings.mode(p.id, False) for p in repeated] == ["greedy"] * 2 + ["sampled"] * 4
+    assert settings.prompt_seed("abc_0~1") != settings.prompt_seed("abc_0~2")
+    assert data.conversation_id("abc_0~2") == "abc" and data.conversation_id("code-001~1") == "code-001"
+    assert is_heldout("abc_0~1", 0.3) == is_heldout("abc_7", 0.3)
+
+
 def test_code_prompts_are_ours_and_stable():
     base = code_prompts()
     assert len(base) == len(data.CODE_TASKS) and all(p.source == "code" for p in base)
@@ -104,6 +117,46 @@ def test_packed_generation_equals_one_prompt_at_a_time(tiny: Tiny):
         assert seq.generated.numel() == 10 or int(seq.generated[-1]) == EOS
 
 
+def test_padded_generation_equals_the_serving_forward(tiny: Tiny):
+    """One left-padded batch (prompts of different lengths, finished ones dropped as it goes) against generate_batch,
+    the serving forward's per-sequence caches: the same greedy tokens, features and teacher logits."""
+    ps = prompts(9, 11)
+    assert len({len(p) for p in ps}) > 2
+    free = generate_batch(tiny.model, ps, LAYER_IDS, 20, top_k=8)
+    stops = (int(free[0].generated[5]), int(free[3].generated[12]), int(free[6].generated[9]))  # "EOS" ids: early ends
+    ref = generate_batch(tiny.model, ps, LAYER_IDS, 20, top_k=8, eos_ids=stops)
+    padded = generate_padded(tiny.model, ps, LAYER_IDS, 20, top_k=8, eos_ids=stops)
+    early = sum(s.generated.numel() < 20 for s in ref)
+    assert early >= 3 and early < len(ps)  # enough to shrink the padded batch, not all
+    for a, b in zip(ref, padded, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len and b.mode == "greedy"
+        assert b.features.shape == a.features.shape and b.features.dtype == torch.bfloat16
+        torch.testing.assert_close(b.features.float(), a.features.float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(b.topk_values, a.topk_values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.logsumexp, a.logsumexp, atol=1e-4, rtol=1e-4)
+        assert (b.topk_ids == a.topk_ids).float().mean() > 0.95
+
+
+def test_padded_sampling_draws_from_the_target_distribution(tiny: Tiny):
+    """Sampled rows of a padded batch: seeded (the same batch draws the same tokens), each draw's teacher row is
+    the target's own logits at that point (checked by a fresh prefill), and a greedy row beside them stays greedy."""
+    ps, params = prompts(4, 13), SamplingParams(temperature=1.0)
+    modes = [params, None, params, params]
+    a = generate_padded(tiny.model, ps, LAYER_IDS, 16, top_k=8, sampling=modes, seeds=[3, 0, 4, 5])
+    b = generate_padded(tiny.model, ps, LAYER_IDS, 16, top_k=8, sampling=modes, seeds=[3, 0, 4, 5])
+    c = generate_padded(tiny.model, ps, LAYER_IDS, 16, top_k=8, sampling=modes, seeds=[8, 0, 4, 5])
+    assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, c, strict=True))
+    greedy = generate_batch(tiny.model, ps[1:2], LAYER_IDS, 16, top_k=8)[0]
+    assert torch.equal(a[1].tokens, greedy.tokens) and a[1].mode == "greedy"
+    assert [s.mode for s in a] == ["sampled", "greedy", "sampled", "sampled"]
+    assert any(not torch.equal(s.generated, s.topk_ids[:, 0]) for s in (a[0], a[2], a[3]))
+    for seq in (a[0], a[2]):
+        again = extract_features(tiny.model, seq.tokens.tolist(), seq.prompt_len, LAYER_IDS, top_k=8)
+        torch.testing.assert_close(seq.topk_values, again.topk_values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(seq.features.float(), again.features.float(), atol=2e-2, rtol=1e-2)
+
+
 def test_generation_records_equal_a_fresh_prefill_of_the_final_tokens(tiny: Tiny):
     for seq in tiny.train[:4]:
         again = extract_features(tiny.model, seq.tokens.tolist(), seq.prompt_len, LAYER_IDS, top_k=8, chunk_size=5)
@@ -133,7 +186,7 @@ class CountingTokenizer:
         return [int(x) for x in text.split()]
 
 
-def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path):
     ps = [Prompt(f"p{i}", " ".join(map(str, p)), "code") for i, p in enumerate(prompts(5, 11))]
     settings = GenerationSettings(max_new_tokens=6, top_k=4, sampled_fraction=0.5, seed=1)
     key = data.cache_key("tiny", LAYER_IDS, settings, 64, 0.1)
@@ -145,11 +198,12 @@ def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path, monkeyp
         calls.append(kwargs.get("prompt_ids", args[-1]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "generate_batch", counting)
-    first = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    first = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2,
+                                 generate=counting)
     assert len(calls) == 3 and len(list(cache.dir.glob("shard-*.pt"))) == 3
     assert {s.mode for s in first} <= {"greedy", "sampled"}
-    again = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    again = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2,
+                                 generate=counting)
     assert len(calls) == 3
     for a, b in zip(first, again, strict=True):
         for name in ("tokens", "features", "topk_values", "topk_ids", "logsumexp"):
@@ -158,15 +212,17 @@ def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path, monkeyp
     # an interrupted run: the missing shard alone is generated again, with the same result
     missing = cache.shard_path(1, ["p2", "p3"])
     missing.unlink()
-    resumed = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2)
+    resumed = data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2,
+                                   generate=counting)
     assert len(calls) == 4 and missing.exists()
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, resumed, strict=True))
     # a longer prompt list reuses the shards of the shorter one
     longer = data.build_sequences(tiny.model, CountingTokenizer(), ps + [Prompt("p9", "5 6 7", "code")], LAYER_IDS,
-                                  settings, cache, shard_size=2)
+                                  settings, cache, shard_size=2, generate=counting)
     assert len(calls) == 5 and len(longer) == 6
     # held-out prompts are always greedy; other keys get other directories
-    held = data.build_sequences(tiny.model, CountingTokenizer(), ps[:2], LAYER_IDS, settings, cache, heldout=True)
+    held = data.build_sequences(tiny.model, CountingTokenizer(), ps[:2], LAYER_IDS, settings, cache, heldout=True,
+                                generate=counting)
     assert {s.mode for s in held} == {"greedy"} and len(calls) == 6
     assert cache.shard_path(0, ["p0", "p1"], "heldout").exists()
     assert FeatureCache(tmp_path, {**key, "top_k": 8}).dir != cache.dir

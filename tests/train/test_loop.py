@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
+from dspark_grpc.runtime.train import loop
 from dspark_grpc.runtime.train.calibrate import apply_temperatures
 from dspark_grpc.runtime.train.loop import (
     DRAFTER_DIR,
     TrainSettings,
     batch_for_step,
     batch_loss,
+    budgeted,
     evaluate,
     lr_at,
     suggest_block_size,
@@ -50,6 +52,26 @@ def test_a_few_steps_reduce_the_loss(tiny: Tiny):
         losses.append(float(terms.total.detach()))
     assert losses[-1] < 0.8 * losses[0], losses
     assert drafter.embed.weight.grad is None and drafter.lm_head.weight.grad is None  # the target's tables stay
+
+
+def test_a_time_budget_sets_the_steps_from_the_measured_rate():
+    base = TrainSettings(steps=10_000, time_budget=100.0)
+    # 30 steps took 3 s: 0.1 s a step; 85 s of the budget's 100 (15 % spare) minus the 3 s spent = 820 steps more
+    assert budgeted(base, 30, 3.0, 30).steps == 30 + 820
+    assert budgeted(TrainSettings(steps=500, time_budget=100.0), 30, 3.0, 30).steps == 500  # never more than asked
+    assert budgeted(base, 30, 120.0, 30).steps == 31  # over budget already: one last step (it evaluates and saves)
+
+
+def test_training_under_a_time_budget_ends_with_an_evaluation(tiny: Tiny, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(loop, "PROBE_STEPS", 2)
+    drafter, t2d = make(tiny)
+    spent = TrainSettings(**{**SETTINGS.__dict__, "steps": 50, "eval_every": 0, "time_budget": 1e-9})
+    history = train(drafter, tiny.train, tiny.heldout, t2d, spent, out_dir=tmp_path, progress=None)
+    assert [h.step for h in history] == [3]  # 2 probe steps, then the budget (long spent) allows one more
+    assert loop.load_state(tmp_path)["step"] == 3
+    ample = TrainSettings(**{**SETTINGS.__dict__, "time_budget": 1e9})
+    assert [h.step for h in train(make(tiny)[0], tiny.train, tiny.heldout, t2d, ample, progress=None)] == [3, 6]
 
 
 def test_training_is_deterministic_and_resume_equals_an_uninterrupted_run(tiny: Tiny, tmp_path: Path):
