@@ -2,8 +2,10 @@
 
     PYTHONPATH=. .venv/bin/python docs/bench/drafter_estimate.py .cache/dspark-train/<key> DRAFTER [DRAFTER ...]
     PYTHONPATH=. .venv/bin/python docs/bench/drafter_estimate.py docs/prompts/heldout.jsonl DRAFTER [DRAFTER ...]
+    PYTHONPATH=. .venv/bin/python docs/bench/drafter_estimate.py humaneval DRAFTER [DRAFTER ...]
 
 The sequences: the held-out shards of a dspark-train feature cache (<key>), or a bench prompts file's prompts
+("humaneval": the first 40 HumanEval problems, as `dspark bench --prompts humaneval --limit 40` poses them)
 continued greedily by the embedded target in the fast precision (up to 128 new tokens, as `dspark bench
 --max-new-tokens 128` does; chat prompts in the chat template, plain prompts as they are), with an anchor at every
 position. Each DRAFTER is a drafter directory for the embedded target. Prints the acceptance length and the
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from dspark_grpc.client.bench import HUMANEVAL, load_prompts
 from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 from dspark_grpc.runtime.train.cli import load_target
@@ -26,14 +29,16 @@ from dspark_grpc.runtime.train.loop import TrainSettings, evaluate
 from dspark_grpc.runtime.train.vocab import DraftVocab
 
 NEW_TOKENS = 128
+HUMANEVAL_LIMIT = 40
 
 
 def prompt_sequences(path: Path, layer_ids: list[int]) -> list[TargetSequence]:
     target = load_target(None, torch.device("cpu"), "fast", "max")
     tok = target.tokenizer
     prompts = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        item = json.loads(line)
+    items = load_prompts(path)[:HUMANEVAL_LIMIT] if str(path) == HUMANEVAL else [
+        json.loads(line) for line in path.read_text().splitlines()]
+    for i, item in enumerate(items):
         if "messages" in item:
             prompts.append(encode_prompt(tok, Prompt(str(i), item["messages"][-1]["content"], "bench")))
         else:
@@ -44,7 +49,7 @@ def prompt_sequences(path: Path, layer_ids: list[int]) -> list[TargetSequence]:
 
 def main(source: str, drafters: list[str]) -> None:
     path = Path(source)
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or source == HUMANEVAL:
         first = load_drafter(drafters[0], target_path=default_model_path())
         sequences, anchors = prompt_sequences(path, list(first.config.target_layer_ids)), NEW_TOKENS
     else:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
-from dspark_grpc.runtime.formats.drafter_formats import save_drafter
+from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES
 from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
@@ -112,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
                    "the input of the first warm-started layer)")
     m.add_argument("--mask-token-id", type=int, default=None, help="None: an unused special token")
     m.add_argument("--no-warm-start", action="store_true", help="random layers instead of the target's")
+    m.add_argument("--init-drafter", default=None, metavar="DIR",
+                   help="start from this drafter (its weights, draft vocabulary, layer ids and shape; the other "
+                        "drafter options are ignored): e.g. fine-tune on another precision's features"),
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--time-budget", type=float, default=0.0, metavar="MINUTES",
@@ -208,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_target(args.target, device, args.precision, args.compile)
     target, tokenizer, digest = loaded.weights, loaded.tokenizer, loaded.digest
     tc = target.config
+    start = load_drafter(args.init_drafter, target_path=args.target or default_model_path()) \
+        if args.init_drafter else None
     layer_ids = (tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids
                  else default_layer_ids(tc.num_layers, args.layers))
+    if start is not None:
+        layer_ids = tuple(start.config.target_layer_ids)
     gen = GenerationSettings(args.max_new_tokens, args.top_k, args.temperature, args.top_p, args.sampled_fraction,
                              args.data_seed)
     cache = None
@@ -237,16 +244,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     counts = token_counts((s.generated for s in train_seqs), tc.vocab_size)
-    if 0 < args.draft_vocab < tc.vocab_size:
+    if start is not None:
+        vocab = DraftVocab.from_d2t(start.d2t, tc.vocab_size) if start.d2t is not None else DraftVocab.full(
+            tc.vocab_size)
+    elif 0 < args.draft_vocab < tc.vocab_size:
         vocab = build_draft_vocab(counts, args.draft_vocab, always=tokenizer.eos_token_ids)
     else:
         vocab = DraftVocab.full(tc.vocab_size)
     log(coverage_report(vocab, counts, token_counts((s.generated for s in heldout_seqs), tc.vocab_size)))
 
     mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(tokenizer, tc.vocab_size)
-    drafter = init_drafter(target, vocab, num_layers=args.layers, block_size=args.block_size,
-                           target_layer_ids=layer_ids, markov_rank=args.markov_rank, markov_head_type=args.markov_head,
-                           mask_token_id=mask, seed=args.seed, warm_start=not args.no_warm_start).to(device)
+    if start is not None:
+        drafter, mask = start.float().to(device), start.config.mask_token_id
+    else:
+        drafter = init_drafter(target, vocab, num_layers=args.layers, block_size=args.block_size,
+                               target_layer_ids=layer_ids, markov_rank=args.markov_rank,
+                               markov_head_type=args.markov_head, mask_token_id=mask, seed=args.seed,
+                               warm_start=not args.no_warm_start).to(device)
     del target, loaded, model
     n_params = sum(p.numel() for _, p in trainable_parameters(drafter))
     losses = LossWeights(args.loss_ce, args.loss_tv, args.loss_kl, args.loss_confidence, args.gamma)
@@ -254,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                              args.grad_clip, args.seed, args.eval_every, args.eval_anchors, 8, args.save_every, losses,
                              args.time_budget * 60)
     state = load_state(out) if args.resume else None
-    log(f"drafter: {args.layers} layers, block {args.block_size}, draft vocab {vocab.size}, markov rank "
-        f"{args.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "
-        + (f"resuming at step {state['step']}" if state else "from the warm start"))
+    dc = drafter.config
+    log(f"drafter: {dc.num_layers} layers, block {dc.block_size}, draft vocab {vocab.size}, markov rank "
+        f"{dc.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "
+        + (f"resuming at step {state['step']}" if state else f"from {args.init_drafter}" if start is not None
+           else "from the warm start"))
     t2d = vocab.t2d
     if state:  # the baseline is the resumed drafter's, not the warm start's
         with torch.no_grad():

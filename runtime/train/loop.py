@@ -140,6 +140,7 @@ def evaluate(drafter: Drafter, sequences: Sequence[TargetSequence], settings: Tr
              step: int = 0) -> tuple[EvalResult, Chains]:
     """Teacher-forced losses and greedy chain acceptance on the greedy held-out sequences."""
     K, device = drafter.config.num_drafts, drafter.device
+    t2d = t2d.to(device)
     greedy = [s for s in sequences if s.mode == "greedy"]
     sums = torch.zeros(5, dtype=torch.float64)
     soft, conf, accepted, seq_index = [], [], [], []

@@ -108,3 +108,20 @@ def test_cli_on_cuda(tiny: Tiny, tmp_path: Path):
     assert [e["step"] for e in report["eval"]] == [0, 2, 4] and report["args"]["device"] == "cuda"
     exported = load_drafter(tmp_path / "export", target_path=tmp_path / "target")
     assert exported.config.num_layers == 1 and exported.device.type == "cpu"
+
+
+def test_cli_starts_from_a_given_drafter(tiny: Tiny, tmp_path: Path):
+    """--init-drafter: the run starts from that drafter (its held-out estimate at step 0 is the one it ended with)
+    and keeps its draft vocabulary and shape, whatever the drafter options say."""
+    args = cli_args(tiny, tmp_path)
+    assert cli.main(args) == 0
+    first = json.loads((tmp_path / "out" / "report.json").read_text())
+    again = [a if a != str(tmp_path / "out") else str(tmp_path / "again") for a in args]
+    assert cli.main([*again, "--init-drafter", str(tmp_path / "out" / "drafter"), "--block-size", "6",
+                     "--draft-vocab", "32", "--steps", "2"]) == 0
+    second = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert second["eval"][0]["acceptance_length"] == first["eval"][-1]["acceptance_length"]
+    before = load_drafter(tmp_path / "out" / "drafter", target_path=tmp_path / "target")
+    after = load_drafter(tmp_path / "again" / "drafter", target_path=tmp_path / "target")
+    assert after.config.block_size == 4 and torch.equal(after.d2t, before.d2t)
+    assert not torch.equal(after.fc.weight, before.fc.weight)  # and it trained
