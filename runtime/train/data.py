@@ -298,6 +298,20 @@ def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     return values, ids, torch.logsumexp(logits.float(), dim=-1)
 
 
+def _generation_args(prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     sampling: Sequence[SamplingParams | None] | None, seeds: Sequence[int] | None,
+                     prompt_ids: Sequence[str] | None) -> tuple[list[SamplingParams | None], list[int], list[str]]:
+    """A generator's per-prompt arguments with their defaults (greedy, seed i, id "i"), checked."""
+    n = len(prompts)
+    sampling = [None] * n if sampling is None else list(sampling)
+    seeds = list(range(n)) if seeds is None else list(seeds)
+    prompt_ids = [str(i) for i in range(n)] if prompt_ids is None else list(prompt_ids)
+    assert len(sampling) == len(seeds) == len(prompt_ids) == n
+    if max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
+        raise ValueError("generation needs non-empty prompts and max_new_tokens >= 1")
+    return sampling, seeds, prompt_ids
+
+
 @torch.no_grad()
 def generate_batch(
     model: Transformer,
@@ -315,12 +329,7 @@ def generate_batch(
     next row in one `forward_batch` (the compiled step where the model has one). Each sequence keeps the features of
     every token fed to the target and the top-k logits behind every generated token."""
     n = len(prompts)
-    sampling = [None] * n if sampling is None else list(sampling)
-    seeds = list(range(n)) if seeds is None else list(seeds)
-    prompt_ids = [str(i) for i in range(n)] if prompt_ids is None else list(prompt_ids)
-    assert len(sampling) == len(seeds) == len(prompt_ids) == n
-    if max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
-        raise ValueError("generation needs non-empty prompts and max_new_tokens >= 1")
+    sampling, seeds, prompt_ids = _generation_args(prompts, max_new_tokens, sampling, seeds, prompt_ids)
     layers = tuple(layer_ids)
     caches = [model.new_cache(max_length=len(p) + max_new_tokens) for p in prompts]
     prefill = [SequenceInput(torch.tensor(list(p)), torch.arange(len(p)), c, logits_rows=torch.tensor([len(p) - 1]),
@@ -392,12 +401,7 @@ def generate_padded(
     the first such sequence's seed (so a sequence's draws depend on the batch it came in). Finished sequences leave
     the batch once a quarter of it has finished."""
     n = len(prompts)
-    sampling = [None] * n if sampling is None else list(sampling)
-    seeds = list(range(n)) if seeds is None else list(seeds)
-    prompt_ids = [str(i) for i in range(n)] if prompt_ids is None else list(prompt_ids)
-    assert len(sampling) == len(seeds) == len(prompt_ids) == n
-    if max_new_tokens < 1 or any(len(p) == 0 for p in prompts):
-        raise ValueError("generation needs non-empty prompts and max_new_tokens >= 1")
+    sampling, seeds, prompt_ids = _generation_args(prompts, max_new_tokens, sampling, seeds, prompt_ids)
     layers, device = tuple(layer_ids), model.device
     tokens, positions, valid = left_padded(prompts)
     P = tokens.shape[1]
