@@ -281,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     baseline, _ = evaluate(drafter, heldout_seqs, settings, t2d, int(state["step"]) if state else 0)
     log(baseline.line())
     history = train(drafter, train_seqs, heldout_seqs, t2d, settings, out_dir=out, resume=args.resume, log=log)
-    report: dict = {"args": vars(args), "layer_ids": list(layer_ids), "draft_vocab": vocab.size,
+    data = {"train_sequences": len(train_seqs), "train_generated_tokens": gen_tokens,
+            "train_sampled_sequences": sum(s.mode == "sampled" for s in train_seqs),
+            "heldout_sequences": len(heldout_seqs), "topk_mass": float(topk_mass), "cache": str(cache.dir) if cache
+            else None}
+    report: dict = {"args": vars(args), "layer_ids": list(layer_ids), "draft_vocab": vocab.size, "data": data,
+                    "steps": history[-1].step if history else (int(state["step"]) if state else 0),
                     "eval": [asdict(baseline)] + [asdict(h) for h in history]}
     final = history[-1] if history else baseline
     suggestion = suggest_block_size(final.per_position, convention=drafter.config.slot_convention)

@@ -45,7 +45,11 @@ def test_cli_trains_calibrates_saves_and_resumes(tiny: Tiny, tmp_path: Path):
     assert cli.main(args) == 0
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
-    assert [e["step"] for e in report["eval"]] == [0, 2, 4]
+    assert [e["step"] for e in report["eval"]] == [0, 2, 4] and report["steps"] == 4
+    shards = [r for f in (tmp_path / "cache").glob("*/shard-train-*.pt") for r in torch.load(f, weights_only=True)]
+    assert report["data"]["train_sequences"] == len(shards) > 0
+    assert report["data"]["train_generated_tokens"] == sum(len(r["tokens"]) - r["prompt_len"] for r in shards)
+    assert report["data"]["heldout_sequences"] > 0
     cal = report["calibration"]
     assert len(cal["temperatures"]) == 4 and len(cal["ece_before"]) == len(cal["ece_after"]) == 4
     drafter = load_drafter(out / "drafter", target_path=target)
