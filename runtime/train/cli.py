@@ -211,12 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_target(args.target, device, args.precision, args.compile)
     target, tokenizer, digest = loaded.weights, loaded.tokenizer, loaded.digest
     tc = target.config
-    start = load_drafter(args.init_drafter, target_path=args.target or default_model_path()) \
+    initial = load_drafter(args.init_drafter, target_path=args.target or default_model_path()) \
         if args.init_drafter else None
     layer_ids = (tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids
                  else default_layer_ids(tc.num_layers, args.layers))
-    if start is not None:
-        layer_ids = tuple(start.config.target_layer_ids)
+    if initial is not None:
+        layer_ids = tuple(initial.config.target_layer_ids)
     gen = GenerationSettings(args.max_new_tokens, args.top_k, args.temperature, args.top_p, args.sampled_fraction,
                              args.data_seed)
     cache = None
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     counts = token_counts((s.generated for s in train_seqs), tc.vocab_size)
-    if start is not None:
-        vocab = DraftVocab.from_d2t(start.d2t, tc.vocab_size) if start.d2t is not None else DraftVocab.full(
+    if initial is not None:
+        vocab = DraftVocab.from_d2t(initial.d2t, tc.vocab_size) if initial.d2t is not None else DraftVocab.full(
             tc.vocab_size)
     elif 0 < args.draft_vocab < tc.vocab_size:
         vocab = build_draft_vocab(counts, args.draft_vocab, always=tokenizer.eos_token_ids)
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     log(coverage_report(vocab, counts, token_counts((s.generated for s in heldout_seqs), tc.vocab_size)))
 
     mask = args.mask_token_id if args.mask_token_id is not None else pick_mask_token(tokenizer, tc.vocab_size)
-    if start is not None:
-        drafter, mask = start.float().to(device), start.config.mask_token_id
+    if initial is not None:
+        drafter, mask = initial.float().to(device), initial.config.mask_token_id
     else:
         drafter = init_drafter(target, vocab, num_layers=args.layers, block_size=args.block_size,
                                target_layer_ids=layer_ids, markov_rank=args.markov_rank,
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     dc = drafter.config
     log(f"drafter: {dc.num_layers} layers, block {dc.block_size}, draft vocab {vocab.size}, markov rank "
         f"{dc.markov_rank}, mask token {mask}; {n_params / 1e6:.1f} M trainable parameters; "
-        + (f"resuming at step {state['step']}" if state else f"from {args.init_drafter}" if start is not None
-           else "from the warm start"))
+        + (f"resuming at step {state['step']}" if state else f"from {args.init_drafter}" if initial is not None
+           else "from the warm initial"))
     t2d = vocab.t2d
     if state:  # the baseline is the resumed drafter's, not the warm start's
         with torch.no_grad():

@@ -137,7 +137,7 @@ def test_padded_generation_equals_the_serving_forward(tiny: Tiny):
         assert (b.topk_ids == a.topk_ids).float().mean() > 0.95
 
 
-def test_padded_sampling_draws_from_the_target_distribution(tiny: Tiny):
+def test_padded_sampling_is_seeded_and_its_teacher_rows_are_the_targets(tiny: Tiny):
     """Sampled rows of a padded batch: seeded (the same batch draws the same tokens), each draw's teacher row is
     the target's own logits at that point (checked by a fresh prefill), and a greedy row beside them stays greedy."""
     ps, params = prompts(4, 13), SamplingParams(temperature=1.0)
