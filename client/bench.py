@@ -372,13 +372,15 @@ def _run_batch(client: TargetClient, prompts: list[dict], mode: str, max_new_tok
 
 
 def _round_costs(entry: dict) -> str:
-    """'; drafter round X ms (Y ms of drafter work), waits Z ms per speculative step' where the mode drafted."""
+    """'; drafter round X ms (in the draft service Y, of which proposals Z), the steps waited W ms per speculative
+    step' where the mode drafted."""
     steps, rounds = entry.get("speculative_steps", 0), entry.get("draft_rounds", 0)
     if not steps:
         return ""
-    work = f" ({1e3 * entry['draft_compute_s'] / rounds:.1f} ms of drafter work)" if rounds else ""
-    return (f"; drafter round {1e3 * entry['draft_round_s'] / rounds if rounds else 0:.1f} ms{work}, the drafter "
-            f"waited for {1e3 * entry['draft_s'] / steps:.1f} ms per speculative step")
+    per_round = lambda key: 1e3 * entry.get(key, 0.0) / rounds if rounds else 0.0  # noqa: E731
+    return (f"; drafter round {per_round('draft_round_s'):.1f} ms (in the draft service "
+            f"{per_round('draft_service_s'):.1f}, of which proposals {per_round('draft_compute_s'):.1f}), the steps "
+            f"waited {1e3 * entry['draft_s'] / steps:.1f} ms per speculative step")
 
 
 def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
@@ -402,6 +404,7 @@ def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
         # service's own time on the proposals
         "draft_rounds": sum(s.draft_rounds for s in stats),
         "draft_round_s": sum(s.draft_round_seconds for s in stats),
+        "draft_service_s": sum(s.draft_service_seconds for s in stats),
         "draft_compute_s": sum(s.draft_compute_seconds for s in stats),
         "verify_s": sum(s.verify_seconds for s in stats),
         # how the steps batched: sessions and rows per target forward, sessions per drafter pass (step-weighted)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -138,6 +139,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _round(self, engine: DraftEngine, m: draft_pb2.DraftRound, owner: object) -> draft_pb2.DraftRoundResult:
         """Every op but the proposals first, in order; then the proposals, together (one drafter pass)."""
+        t0 = time.perf_counter()
         if any(o.WhichOneof("op") == "round" for o in m.ops):
             raise InvalidArgument("a round may not hold another round")
         results: list[draft_pb2.DraftSessionResponse | None] = [None] * len(m.ops)
@@ -159,4 +161,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             futures = {i: self.round_executor.submit(propose, m.ops[i]) for i in proposals}
             for i, future in futures.items():
                 results[i] = future.result()
-        return draft_pb2.DraftRoundResult(results=results)
+        return draft_pb2.DraftRoundResult(results=results, handle_seconds=time.perf_counter() - t0)

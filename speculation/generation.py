@@ -178,9 +178,10 @@ def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, 
     stats.drafts_from_chain += report.draft_from_chain
     stats.committed_per_step.append(accepted_tokens + 1)
     stats.draft_seconds += report.draft_seconds
-    if report.draft_compute_seconds:
+    if report.round_seconds:
         stats.draft_rounds += 1
-        stats.draft_round_seconds += report.draft_seconds
+        stats.draft_round_seconds += report.round_seconds
+        stats.draft_service_seconds += report.round_drafter_seconds
         stats.draft_compute_seconds += report.draft_compute_seconds
     stats.verify_seconds += report.verify_seconds
     stats.transport_seconds += max(wall - report.draft_seconds - report.verify_seconds, 0.0)

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dspark_grpc.protos.dspark.v1 import draft_pb2
 from dspark_grpc.serving.batching import StepBatcher
@@ -45,6 +46,7 @@ class RoundJob:
     drafting: SessionDrafting
     ops: list[draft_pb2.DraftSessionRequest]
     verify_follows: bool = True  # the step waits for this round to verify (not a draft ahead, not a release)
+    submitted: float = field(default_factory=time.perf_counter)  # made when it is handed to DraftRounds
 
 
 @dataclass
@@ -52,6 +54,8 @@ class RoundReply:
     replies: list[draft_pb2.DraftSessionResponse] | None  # one per op of the job; None when the round failed
     error: str = ""
     depth: int | None = None  # how much of its chain to verify, decided for the round (None: not decided)
+    seconds: float = 0.0  # from the job's submission to this reply, planned (StepReport.round_seconds)
+    drafter_seconds: float = 0.0  # of which the draft service's time on the round (DraftRoundResult.handle_seconds)
 
 
 class DraftRounds:
@@ -148,9 +152,13 @@ class DraftRounds:
                 elif len(results) != len(ops):
                     why = f"the drafter answered {len(results)} of {len(ops)} ops"
             for i, start, n in spans:
-                replies[i] = RoundReply(None, why) if why else RoundReply(results[start: start + n])
+                replies[i] = RoundReply(None, why) if why else \
+                    RoundReply(results[start: start + n], drafter_seconds=response.round.handle_seconds)
         if self.plan is not None:
             self.plan(jobs, replies)  # type: ignore[arg-type]
+        now = time.perf_counter()
+        for job, reply in zip(jobs, replies, strict=True):
+            reply.seconds = now - job.submitted  # type: ignore[union-attr]
         # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
         # step has not started yet, over a session stream, waits for its client)
         stepping = [(job.drafting.session_id, reply.replies is not None)

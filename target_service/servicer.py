@@ -467,7 +467,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             report.draft_seconds = time.perf_counter() - t0
             if reply.replies is not None:
                 self.round_calibration.observe_round(report.draft_seconds)
-            if proposal is not None and planned.reply is None:  # asked for within this wait
+            if proposal is not None:
+                report.round_seconds, report.round_drafter_seconds = reply.seconds, reply.drafter_seconds
                 report.draft_compute_seconds = proposal.compute_seconds
         if proposal is None:
             return StepDraft.ar(pending)

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from dspark_grpc.protos.dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64spark/v1/draft.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\x17\n\x15GetDrafterInfoRequest\"\x90\x04\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12&\n\x06target\x18\x06 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x34\n\x10protocol_version\x18\x07 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x32\n\x0fslot_convention\x18\x08 \x01(\x0e\x32\x19.dspark.v1.SlotConvention\x12\x13\n\x0bmarkov_rank\x18\t \x01(\x05\x12\x1b\n\x13has_confidence_head\x18\n \x01(\x08\x12&\n\tproposers\x18\x0b \x03(\x0e\x32\x13.dspark.v1.Proposer\x12-\n\x10\x64\x65\x66\x61ult_proposer\x18\x0c \x01(\x0e\x32\x13.dspark.v1.Proposer\x12\x14\n\x0cmax_sessions\x18\r \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x0e \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0f \x01(\x03\x12\x15\n\rlive_sessions\x18\x11 \x01(\x05J\x04\x08\x10\x10\x11R\rpropose_costs\"\xac\x02\n\x13\x44raftSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12$\n\x04open\x18\x02 \x01(\x0b\x32\x14.dspark.v1.OpenDraftH\x00\x12*\n\x06\x61ppend\x18\x03 \x01(\x0b\x32\x18.dspark.v1.AppendContextH\x00\x12%\n\x07propose\x18\x04 \x01(\x0b\x32\x12.dspark.v1.ProposeH\x00\x12.\n\x08truncate\x18\x05 \x01(\x0b\x32\x1a.dspark.v1.TruncateContextH\x00\x12*\n\x07release\x18\x06 \x01(\x0b\x32\x17.dspark.v1.ReleaseDraftH\x00\x12&\n\x05round\x18\x07 \x01(\x0b\x32\x15.dspark.v1.DraftRoundH\x00\x42\x04\n\x02op\"\xe8\x02\n\x14\x44raftSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Status\x12(\n\x06opened\x18\x03 \x01(\x0b\x32\x16.dspark.v1.DraftOpenedH\x00\x12.\n\x08\x61ppended\x18\x04 \x01(\x0b\x32\x1a.dspark.v1.ContextAppendedH\x00\x12\'\n\x08proposal\x18\x05 \x01(\x0b\x32\x13.dspark.v1.ProposalH\x00\x12\x30\n\ttruncated\x18\x06 \x01(\x0b\x32\x1b.dspark.v1.ContextTruncatedH\x00\x12,\n\x08released\x18\x07 \x01(\x0b\x32\x18.dspark.v1.DraftReleasedH\x00\x12,\n\x05round\x18\x08 \x01(\x0b\x32\x1b.dspark.v1.DraftRoundResultH\x00\x42\x08\n\x06result\"9\n\nDraftRound\x12+\n\x03ops\x18\x01 \x03(\x0b\x32\x1e.dspark.v1.DraftSessionRequest\"D\n\x10\x44raftRoundResult\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.dspark.v1.DraftSessionResponse\"}\n\tOpenDraft\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12&\n\x06target\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nsession_id\x18\x03 \x01(\t\";\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\"v\n\rAppendContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12)\n\x07\x63\x61pture\x18\x04 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\"!\n\x0f\x43ontextAppended\x12\x0e\n\x06length\x18\x01 \x01(\x03\"\x80\x02\n\x07Propose\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x05\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.dspark.v1.ProposalKind\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\'\n\x06kernel\x18\x06 \x01(\x0e\x32\x17.dspark.v1.KernelChoice\x12%\n\x08proposer\x18\x07 \x01(\x0e\x32\x13.dspark.v1.Proposer\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\xb4\x01\n\x08Proposal\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.dspark.v1.TokenTree\x12&\n\x0b\x63onfidences\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12+\n\x0enode_proposers\x18\x03 \x03(\x0e\x32\x13.dspark.v1.Proposer\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x05 \x01(\x05\"5\n\x0fTruncateContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x03\"\"\n\x10\x43ontextTruncated\x12\x0e\n\x06length\x18\x01 \x01(\x03\"\"\n\x0cReleaseDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rDraftReleased*b\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x13\n\x0fPROPOSER_DSPARK\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03*i\n\x0eSlotConvention\x12\x1f\n\x1bSLOT_CONVENTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16SLOT_CONVENTION_DSPARK\x10\x01\x12\x1a\n\x16SLOT_CONVENTION_DFLASH\x10\x02*^\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PROPOSAL_KIND_CHAIN\x10\x01\x12\x16\n\x12PROPOSAL_KIND_TREE\x10\x02*_\n\x0cKernelChoice\x12\x1d\n\x19KERNEL_CHOICE_UNSPECIFIED\x10\x00\x12\x17\n\x13KERNEL_CHOICE_FUSED\x10\x01\x12\x17\n\x13KERNEL_CHOICE_TORCH\x10\x02\x32\xba\x01\n\x0c\x44raftService\x12U\n\x0eGetDrafterInfo\x12 .dspark.v1.GetDrafterInfoRequest\x1a!.dspark.v1.GetDrafterInfoResponse\x12S\n\x0c\x44raftSession\x12\x1e.dspark.v1.DraftSessionRequest\x1a\x1f.dspark.v1.DraftSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64spark/v1/draft.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\x17\n\x15GetDrafterInfoRequest\"\x90\x04\n\x16GetDrafterInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12&\n\x06target\x18\x06 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x34\n\x10protocol_version\x18\x07 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12\x32\n\x0fslot_convention\x18\x08 \x01(\x0e\x32\x19.dspark.v1.SlotConvention\x12\x13\n\x0bmarkov_rank\x18\t \x01(\x05\x12\x1b\n\x13has_confidence_head\x18\n \x01(\x08\x12&\n\tproposers\x18\x0b \x03(\x0e\x32\x13.dspark.v1.Proposer\x12-\n\x10\x64\x65\x66\x61ult_proposer\x18\x0c \x01(\x0e\x32\x13.dspark.v1.Proposer\x12\x14\n\x0cmax_sessions\x18\r \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x0e \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x0f \x01(\x03\x12\x15\n\rlive_sessions\x18\x11 \x01(\x05J\x04\x08\x10\x10\x11R\rpropose_costs\"\xac\x02\n\x13\x44raftSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12$\n\x04open\x18\x02 \x01(\x0b\x32\x14.dspark.v1.OpenDraftH\x00\x12*\n\x06\x61ppend\x18\x03 \x01(\x0b\x32\x18.dspark.v1.AppendContextH\x00\x12%\n\x07propose\x18\x04 \x01(\x0b\x32\x12.dspark.v1.ProposeH\x00\x12.\n\x08truncate\x18\x05 \x01(\x0b\x32\x1a.dspark.v1.TruncateContextH\x00\x12*\n\x07release\x18\x06 \x01(\x0b\x32\x17.dspark.v1.ReleaseDraftH\x00\x12&\n\x05round\x18\x07 \x01(\x0b\x32\x15.dspark.v1.DraftRoundH\x00\x42\x04\n\x02op\"\xe8\x02\n\x14\x44raftSessionResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12!\n\x06status\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Status\x12(\n\x06opened\x18\x03 \x01(\x0b\x32\x16.dspark.v1.DraftOpenedH\x00\x12.\n\x08\x61ppended\x18\x04 \x01(\x0b\x32\x1a.dspark.v1.ContextAppendedH\x00\x12\'\n\x08proposal\x18\x05 \x01(\x0b\x32\x13.dspark.v1.ProposalH\x00\x12\x30\n\ttruncated\x18\x06 \x01(\x0b\x32\x1b.dspark.v1.ContextTruncatedH\x00\x12,\n\x08released\x18\x07 \x01(\x0b\x32\x18.dspark.v1.DraftReleasedH\x00\x12,\n\x05round\x18\x08 \x01(\x0b\x32\x1b.dspark.v1.DraftRoundResultH\x00\x42\x08\n\x06result\"9\n\nDraftRound\x12+\n\x03ops\x18\x01 \x03(\x0b\x32\x1e.dspark.v1.DraftSessionRequest\"\\\n\x10\x44raftRoundResult\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.dspark.v1.DraftSessionResponse\x12\x16\n\x0ehandle_seconds\x18\x02 \x01(\x01\"}\n\tOpenDraft\x12\x34\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x1a.dspark.v1.ProtocolVersion\x12&\n\x06target\x18\x02 \x01(\x0b\x32\x16.dspark.v1.Fingerprint\x12\x12\n\nsession_id\x18\x03 \x01(\t\";\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\"v\n\rAppendContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12)\n\x07\x63\x61pture\x18\x04 \x01(\x0b\x32\x18.dspark.v1.HiddenCapture\"!\n\x0f\x43ontextAppended\x12\x0e\n\x06length\x18\x01 \x01(\x03\"\x80\x02\n\x07Propose\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x05\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.dspark.v1.ProposalKind\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\'\n\x06kernel\x18\x06 \x01(\x0e\x32\x17.dspark.v1.KernelChoice\x12%\n\x08proposer\x18\x07 \x01(\x0e\x32\x13.dspark.v1.Proposer\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\xb4\x01\n\x08Proposal\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.dspark.v1.TokenTree\x12&\n\x0b\x63onfidences\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12+\n\x0enode_proposers\x18\x03 \x03(\x0e\x32\x13.dspark.v1.Proposer\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x16\n\x0e\x62\x61tch_sessions\x18\x05 \x01(\x05\"5\n\x0fTruncateContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x03\"\"\n\x10\x43ontextTruncated\x12\x0e\n\x06length\x18\x01 \x01(\x03\"\"\n\x0cReleaseDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rDraftReleased*b\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x13\n\x0fPROPOSER_DSPARK\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03*i\n\x0eSlotConvention\x12\x1f\n\x1bSLOT_CONVENTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16SLOT_CONVENTION_DSPARK\x10\x01\x12\x1a\n\x16SLOT_CONVENTION_DFLASH\x10\x02*^\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PROPOSAL_KIND_CHAIN\x10\x01\x12\x16\n\x12PROPOSAL_KIND_TREE\x10\x02*_\n\x0cKernelChoice\x12\x1d\n\x19KERNEL_CHOICE_UNSPECIFIED\x10\x00\x12\x17\n\x13KERNEL_CHOICE_FUSED\x10\x01\x12\x17\n\x13KERNEL_CHOICE_TORCH\x10\x02\x32\xba\x01\n\x0c\x44raftService\x12U\n\x0eGetDrafterInfo\x12 .dspark.v1.GetDrafterInfoRequest\x1a!.dspark.v1.GetDrafterInfoResponse\x12S\n\x0c\x44raftSession\x12\x1e.dspark.v1.DraftSessionRequest\x1a\x1f.dspark.v1.DraftSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=2340
-  _globals['_PROPOSER']._serialized_end=2438
-  _globals['_SLOTCONVENTION']._serialized_start=2440
-  _globals['_SLOTCONVENTION']._serialized_end=2545
-  _globals['_PROPOSALKIND']._serialized_start=2547
-  _globals['_PROPOSALKIND']._serialized_end=2641
-  _globals['_KERNELCHOICE']._serialized_start=2643
-  _globals['_KERNELCHOICE']._serialized_end=2738
+  _globals['_PROPOSER']._serialized_start=2364
+  _globals['_PROPOSER']._serialized_end=2462
+  _globals['_SLOTCONVENTION']._serialized_start=2464
+  _globals['_SLOTCONVENTION']._serialized_end=2569
+  _globals['_PROPOSALKIND']._serialized_start=2571
+  _globals['_PROPOSALKIND']._serialized_end=2665
+  _globals['_KERNELCHOICE']._serialized_start=2667
+  _globals['_KERNELCHOICE']._serialized_end=2762
   _globals['_GETDRAFTERINFOREQUEST']._serialized_start=60
   _globals['_GETDRAFTERINFOREQUEST']._serialized_end=83
   _globals['_GETDRAFTERINFORESPONSE']._serialized_start=86
@@ -51,27 +51,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTROUND']._serialized_start=1282
   _globals['_DRAFTROUND']._serialized_end=1339
   _globals['_DRAFTROUNDRESULT']._serialized_start=1341
-  _globals['_DRAFTROUNDRESULT']._serialized_end=1409
-  _globals['_OPENDRAFT']._serialized_start=1411
-  _globals['_OPENDRAFT']._serialized_end=1536
-  _globals['_DRAFTOPENED']._serialized_start=1538
-  _globals['_DRAFTOPENED']._serialized_end=1597
-  _globals['_APPENDCONTEXT']._serialized_start=1599
-  _globals['_APPENDCONTEXT']._serialized_end=1717
-  _globals['_CONTEXTAPPENDED']._serialized_start=1719
-  _globals['_CONTEXTAPPENDED']._serialized_end=1752
-  _globals['_PROPOSE']._serialized_start=1755
-  _globals['_PROPOSE']._serialized_end=2011
-  _globals['_PROPOSAL']._serialized_start=2014
-  _globals['_PROPOSAL']._serialized_end=2194
-  _globals['_TRUNCATECONTEXT']._serialized_start=2196
-  _globals['_TRUNCATECONTEXT']._serialized_end=2249
-  _globals['_CONTEXTTRUNCATED']._serialized_start=2251
-  _globals['_CONTEXTTRUNCATED']._serialized_end=2285
-  _globals['_RELEASEDRAFT']._serialized_start=2287
-  _globals['_RELEASEDRAFT']._serialized_end=2321
-  _globals['_DRAFTRELEASED']._serialized_start=2323
-  _globals['_DRAFTRELEASED']._serialized_end=2338
-  _globals['_DRAFTSERVICE']._serialized_start=2741
-  _globals['_DRAFTSERVICE']._serialized_end=2927
+  _globals['_DRAFTROUNDRESULT']._serialized_end=1433
+  _globals['_OPENDRAFT']._serialized_start=1435
+  _globals['_OPENDRAFT']._serialized_end=1560
+  _globals['_DRAFTOPENED']._serialized_start=1562
+  _globals['_DRAFTOPENED']._serialized_end=1621
+  _globals['_APPENDCONTEXT']._serialized_start=1623
+  _globals['_APPENDCONTEXT']._serialized_end=1741
+  _globals['_CONTEXTAPPENDED']._serialized_start=1743
+  _globals['_CONTEXTAPPENDED']._serialized_end=1776
+  _globals['_PROPOSE']._serialized_start=1779
+  _globals['_PROPOSE']._serialized_end=2035
+  _globals['_PROPOSAL']._serialized_start=2038
+  _globals['_PROPOSAL']._serialized_end=2218
+  _globals['_TRUNCATECONTEXT']._serialized_start=2220
+  _globals['_TRUNCATECONTEXT']._serialized_end=2273
+  _globals['_CONTEXTTRUNCATED']._serialized_start=2275
+  _globals['_CONTEXTTRUNCATED']._serialized_end=2309
+  _globals['_RELEASEDRAFT']._serialized_start=2311
+  _globals['_RELEASEDRAFT']._serialized_end=2345
+  _globals['_DRAFTRELEASED']._serialized_start=2347
+  _globals['_DRAFTRELEASED']._serialized_end=2362
+  _globals['_DRAFTSERVICE']._serialized_start=2765
+  _globals['_DRAFTSERVICE']._serialized_end=2951
 # @@protoc_insertion_point(module_scope)

@@ -131,10 +131,12 @@ class DraftRound(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[DraftSessionRequest, _Mapping]]] = ...) -> None: ...
 
 class DraftRoundResult(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "handle_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[DraftSessionResponse]
-    def __init__(self, results: _Optional[_Iterable[_Union[DraftSessionResponse, _Mapping]]] = ...) -> None: ...
+    handle_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[DraftSessionResponse, _Mapping]]] = ..., handle_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenDraft(_message.Message):
     __slots__ = ("protocol_version", "target", "session_id")
