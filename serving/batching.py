@@ -134,24 +134,40 @@ class StepBatcher(Generic[J, R]):
         self._wait(ticket)
         return ticket.result
 
-    def _run_inline(self, ticket: _Ticket[J, R]) -> bool:
-        """Run the ticket's job on this thread if the batcher is idle (see `inline`); whether it ran."""
-        if self.inline is None or not self.inline():
-            return False
+    def claim(self, session: Hashable) -> bool:
+        """Take the batcher for one job of `session` that its caller runs itself, now or as it completes (e.g. a
+        request sent whose reply comes back on another thread): True when the batcher is idle (nothing queued or
+        running, no other session expected or seen in the last two batches), which it then stays, as if running
+        a batch, until `unclaim`."""
         with self._cv:
             now = self.clock()
             others = {s for s, until in self._expected.items() if until > now} | self._recent[0] | self._recent[1]
-            if self._closed or self._busy or self._queue or others - {ticket.session}:
+            if self._closed or self._busy or self._queue or others - {session}:
                 return False
             self._busy = True
-            self._expected.pop(ticket.session, None)
+            self._expected.pop(session, None)
+            return True
+
+    def unclaim(self, session: Hashable, seconds: float | None = None) -> None:
+        """The claimed job is done: it counts as a batch of one `session` that took `seconds` (None: `_run` counted
+        it already)."""
+        with self._cv:
+            if seconds is not None:
+                self._last_seconds = seconds
+                if self.session is not None:
+                    self._recent = [self._recent[1], {session}]
+            self._busy = False
+            self._cv.notify_all()
+
+    def _run_inline(self, ticket: _Ticket[J, R]) -> bool:
+        """Run the ticket's job on this thread if the batcher is idle (see `inline`); whether it ran."""
+        if self.inline is None or not self.inline() or not self.claim(ticket.session):
+            return False
         try:
             self._finish([ticket])
             self.inlined += 1
         finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
+            self.unclaim(ticket.session)
         return True
 
     def _wait(self, ticket: _Ticket[J, R]) -> None:

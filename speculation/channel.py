@@ -4,11 +4,13 @@ Needs only grpcio + protobuf."""
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,24 +21,36 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class SessionStream:
-    """A session stream (TargetSession or DraftSession) driven one request/response at a time.
+    """A session stream (TargetSession or DraftSession): requests go out in order and their replies come back in
+    order, each to the Future `send` returned for it.
 
-    Closing it ends the stream, which frees its sessions on the server. A reader thread keeps replies, so a
-    call can wait with a timeout (a drafter that stops answering is treated as failed, not waited for). Once the
-    stream has ended (an error, the deadline, `close`), every later call fails at once with the same status.
+    Closing it ends the stream, which frees its sessions on the server. A reader thread takes the replies, and hands
+    each to its Future (its callbacks run on that thread), so a caller may wait with a timeout (a drafter that stops
+    answering is treated as failed, not waited for) or not wait at all. Once the stream has ended (an error, the
+    deadline, `close`), every request not answered and every later one fails with the same status.
     """
 
     def __init__(self, open_stream: Callable, timeout: float | None) -> None:
         self._requests: queue.Queue = queue.Queue()
-        self._replies: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[Future] = collections.deque()  # one per request not answered yet
+        self._error: RequestError | None = None  # why the stream ended
+        self._lock = threading.Lock()
         self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
-        self.ended = False  # the stream is over (an error, the deadline, `close`): every call fails at once
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, name="session-stream-reader", daemon=True).start()
+
+    @property
+    def ended(self) -> bool:
+        """The stream is over (an error, the deadline, `close`): every call fails at once."""
+        return self._error is not None
 
     def _read(self) -> None:
         try:
             for response in self._responses:
-                self._replies.put(response)
+                with self._lock:
+                    waiting = self._waiting.popleft() if self._waiting else None
+                if waiting is None:
+                    raise RuntimeError("a reply to no request")
+                waiting.set_result(response)
             self._end(RequestError(14, "the server closed the stream"))
         except grpc.RpcError as e:
             self._end(RequestError(e.code().value[0], e.details() or e.code().name))
@@ -44,34 +58,41 @@ class SessionStream:
             self._end(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
 
     def _end(self, error: RequestError) -> None:
-        self.ended = True
-        self._replies.put(error)
+        with self._lock:
+            self._error = self._error or error
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for future in waiting:
+            future.set_exception(self._error)
+
+    def send(self, request) -> Future:
+        """Send a request without waiting: the Future of its reply (a RequestError if the stream ends first)."""
+        future: Future = Future()
+        with self._lock:  # the order of the waiting Futures is the order of the requests
+            if self._error is None:
+                self._waiting.append(future)
+                self._requests.put(request)
+                return future
+        future.set_exception(self._error)
+        return future
 
     def call(self, request, timeout: float | None = None):
-        self.send(request)
-        return self.receive(timeout)
+        """Send a request and wait for its reply; past `timeout` the stream is closed (RequestError
+        DEADLINE_EXCEEDED)."""
+        return self.result(self.send(request), timeout)
 
-    def send(self, request) -> None:
-        """Queue a request without waiting for its reply (replies come back in order: `receive` them)."""
-        self._requests.put(request)
-
-    def receive(self, timeout: float | None = None):
-        """The reply to the oldest request not yet answered."""
+    def result(self, reply: Future, timeout: float | None = None):
+        """The reply `send` returned the Future of, waited for up to `timeout`: past it the stream is closed
+        (RequestError DEADLINE_EXCEEDED, for this request and every other one not answered)."""
         try:
-            reply = self._replies.get(timeout=timeout)
-        except queue.Empty:
-            self.close()
-            raise RequestError(4, f"no reply within {timeout:g} s") from None
-        if isinstance(reply, RequestError):
-            self._replies.put(reply)  # the stream is over: later calls (a cleanup's release) must not wait
-            raise reply
-        return reply
+            return reply.result(timeout)
+        except TimeoutError:
+            self.close(f"no reply within {timeout:g} s", code=4)
+            return reply.result()
 
-    def close(self, reason: str = "the stream was closed") -> None:
-        self.ended = True
+    def close(self, reason: str = "the stream was closed", code: int = 1) -> None:
+        self._end(RequestError(code, reason))
         self._requests.put(None)
         self._responses.cancel()
-        self._replies.put(RequestError(1, reason))
 
 
 # gRPC's reconnect backoff grows to 2 minutes while a service is down: a restarted service would be found only

@@ -76,11 +76,39 @@ class DraftRounds:
         self._ids = itertools.count(1)
 
     def submit(self, job: RoundJob) -> RoundReply:
-        return self.batcher.submit(job)[0]
+        """Run the job in the next round and wait for its reply."""
+        return self.result(self.submit_ahead(job))
 
     def submit_ahead(self, job: RoundJob) -> Future:
-        """Queue the job for the next round without waiting: a Future of its RoundReply."""
-        return self.batcher.submit_future(job)
+        """The job's round without waiting: a Future of its RoundReply (wait with `result`). With no round under
+        way or forming (StepBatcher.claim: no other session about to ask), it is sent from this thread at once and
+        its reply completes it on the stream's reader thread: no worker to wake, none to wake this thread back.
+        Else it goes with the next round, from the batcher's worker."""
+        session = job.drafting.session_id
+        if not self.batcher.claim(session):
+            return self.batcher.submit_future(job)
+        reply = _SentRound()
+
+        def done(sent: Future) -> None:
+            self.batcher.unclaim(session, time.perf_counter() - job.submitted)
+            try:
+                reply.set_result(sent.result()[0])
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                reply.set_exception(e)
+
+        try:
+            sent = self._start([job])
+        except BaseException:
+            self.batcher.unclaim(session)
+            raise
+        reply.stream, reply.deadline = sent.stream, sent.deadline
+        sent.add_done_callback(done)
+        return reply
+
+    def result(self, reply: Future) -> RoundReply:
+        """A submitted job's RoundReply. A round sent from the asking thread has no worker bounding its wait: the
+        draft timeout, from its sending, is applied here."""
+        return self._wait(reply) if isinstance(reply, _SentRound) else reply.result()
 
     def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest,
                 after: Future | None = None) -> None:
@@ -113,18 +141,37 @@ class DraftRounds:
             self._stream.close()
 
     def _run(self, jobs: list[RoundJob]) -> list[RoundReply]:
+        """The batcher worker's round: sent, waited for."""
+        return self._wait(self._start(jobs))
+
+    def _wait(self, sent: _SentRound):
+        """The result of a round sent, waited for until its deadline: past it, its stream is closed (the round and
+        every other one on the stream fail, their drafting with them) and the failure is the result."""
+        try:
+            return sent.result(None if sent.deadline is None else max(0.0, sent.deadline - time.perf_counter()))
+        except TimeoutError:
+            assert sent.stream is not None
+            sent.stream.close(f"no reply within {self.timeout_s:g} s", code=4)
+            return sent.result()
+
+    def _start(self, jobs: list[RoundJob]) -> _SentRound:
+        """Send the jobs' ops as one DraftRound: a Future of their RoundReplies, completed (by `_finish`) on the
+        thread that reads the reply, or at once when nothing was sent."""
         self._idle.clear()
         try:
-            return self._run_round(jobs)
-        finally:
+            return self._send(jobs)
+        except BaseException:
             self._idle.set()
+            raise
 
-    def _run_round(self, jobs: list[RoundJob]) -> list[RoundReply]:
+    def _send(self, jobs: list[RoundJob]) -> _SentRound:
+        sent = _SentRound()
         replies: list[RoundReply | None] = [None] * len(jobs)
         if self._stream is None or self._stream.ended:  # ended between rounds (the drafter went away meanwhile)
             stream = self.link.open_stream()
             if stream is None:
-                return [RoundReply(None, f"{self.link.down_reason}")] * len(jobs)
+                self._finish(jobs, [RoundReply(None, self.link.down_reason) for _ in jobs], sent)
+                return sent
             self._stream, self.generation = stream, self.generation + 1
         ops, spans = [], []
         for i, job in enumerate(jobs):
@@ -135,40 +182,71 @@ class DraftRounds:
                 continue
             spans.append((i, len(ops), len(job.ops)))
             ops.extend(job.ops)
-        if spans:
-            request = draft_pb2.DraftSessionRequest(request_id=next(self._ids), round=draft_pb2.DraftRound(ops=ops))
-            why = ""
-            try:
-                response = self._stream.call(request, timeout=self.timeout_s)
-            except RequestError as e:  # a transport failure, a timeout: this stream is done
-                self._stream.close()
-                self._stream = None
-                why = f"drafter round failed ({CODE_NAMES.get(e.code, e.code)}: {e.message})"
-            else:
-                results = list(response.round.results)
-                if response.status.code:
-                    why = f"drafter round refused ({CODE_NAMES.get(response.status.code, response.status.code)}: " \
-                          f"{response.status.message})"
-                elif len(results) != len(ops):
-                    why = f"the drafter answered {len(results)} of {len(ops)} ops"
-            for i, start, n in spans:
-                replies[i] = RoundReply(None, why) if why else \
-                    RoundReply(results[start: start + n], drafter_seconds=response.round.handle_seconds)
-        if self.plan is not None:
-            self.plan(jobs, replies)  # type: ignore[arg-type]
-        now = time.perf_counter()
-        for job, reply in zip(jobs, replies, strict=True):
-            reply.seconds = now - job.submitted  # type: ignore[union-attr]
-        # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
-        # step has not started yet, over a session stream, waits for its client)
-        stepping = [(job.drafting.session_id, reply.replies is not None)
-                    for job, reply in zip(jobs, replies, strict=True)
-                    if job.ops and job.ops[-1].WhichOneof("op") == "propose"
-                    and (job.verify_follows or job.drafting.in_step)]
-        drafted = [sid for sid, ok in stepping if ok]  # (a failed one steps AR: no next round)
-        if self.next_round_s > 0 and drafted:
-            self.batcher.expect(drafted, self.next_round_s)
-        if self.on_round is not None:
-            self.on_round([sid for sid, _ in stepping])
-        return replies  # type: ignore[return-value]
+        if not spans:
+            self._finish(jobs, replies, sent)
+            return sent
+        stream = self._stream
+        sent.stream, sent.deadline = stream, None if not self.timeout_s else time.perf_counter() + self.timeout_s
+        request = draft_pb2.DraftSessionRequest(request_id=next(self._ids), round=draft_pb2.DraftRound(ops=ops))
+        stream.send(request).add_done_callback(
+            lambda response: self._finish(jobs, self._read(response, stream, len(ops), spans, replies), sent))
+        return sent
 
+    def _read(self, response: Future, stream: SessionStream, n_ops: int, spans: list[tuple[int, int, int]],
+              replies: list[RoundReply | None]) -> list[RoundReply | None]:
+        """Each job's share of the round's reply (a failed round fails every job in it)."""
+        why = ""
+        try:
+            reply = response.result()
+        except RequestError as e:  # a transport failure, a timeout: this stream is done
+            stream.close()
+            if self._stream is stream:
+                self._stream = None
+            why = f"drafter round failed ({CODE_NAMES.get(e.code, e.code)}: {e.message})"
+        else:
+            results = list(reply.round.results)
+            if reply.status.code:
+                why = f"drafter round refused ({CODE_NAMES.get(reply.status.code, reply.status.code)}: " \
+                      f"{reply.status.message})"
+            elif len(results) != n_ops:
+                why = f"the drafter answered {len(results)} of {n_ops} ops"
+        for i, start, n in spans:
+            replies[i] = RoundReply(None, why) if why else \
+                RoundReply(results[start: start + n], drafter_seconds=reply.round.handle_seconds)
+        return replies
+
+    def _finish(self, jobs: list[RoundJob], replies: list[RoundReply | None], sent: _SentRound) -> None:
+        """The round's replies planned and timed, the sessions about to verify told, `sent` completed."""
+        try:
+            if self.plan is not None:
+                self.plan(jobs, replies)  # type: ignore[arg-type]
+            now = time.perf_counter()
+            for job, reply in zip(jobs, replies, strict=True):
+                reply.seconds = now - job.submitted  # type: ignore[union-attr]
+            # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
+            # step has not started yet, over a session stream, waits for its client)
+            stepping = [(job.drafting.session_id, reply.replies is not None)  # type: ignore[union-attr]
+                        for job, reply in zip(jobs, replies, strict=True)
+                        if job.ops and job.ops[-1].WhichOneof("op") == "propose"
+                        and (job.verify_follows or job.drafting.in_step)]
+            drafted = [sid for sid, ok in stepping if ok]  # (a failed one steps AR: no next round)
+            if self.next_round_s > 0 and drafted:
+                self.batcher.expect(drafted, self.next_round_s)
+            if self.on_round is not None:
+                self.on_round([sid for sid, _ in stepping])
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the round
+            self._idle.set()
+            sent.set_exception(e)
+            return
+        self._idle.set()
+        sent.set_result(replies)
+
+
+class _SentRound(Future):
+    """A round's (or one job's share of a round's) Future, with the stream it went on and the time its wait ends
+    (None: no bound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream: SessionStream | None = None
+        self.deadline: float | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
@@ -26,6 +27,7 @@ class FakeStream:
                  proposal: Callable[[draft_pb2.Propose], draft_pb2.Proposal] = one_token) -> None:
         self.rounds: list[draft_pb2.DraftRound] = []
         self.ended, self.fail, self.proposal = False, fail, proposal
+        self.waiting: list[Future] = []
 
     def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
         if self.fail:
@@ -47,8 +49,28 @@ class FakeStream:
         return draft_pb2.DraftSessionResponse(request_id=request.request_id,
                                               round=draft_pb2.DraftRoundResult(results=results))
 
-    def close(self) -> None:
+    def send(self, request: draft_pb2.DraftSessionRequest) -> Future:
+        """`call` on a thread of its own, as a real stream's reply comes back on its reader thread; `close` fails
+        the replies still out."""
+        reply: Future = Future()
+        self.waiting.append(reply)
+
+        def answer() -> None:
+            try:
+                result = self.call(request)
+            except RequestError as e:
+                result = e
+            if not reply.done():  # (closed meanwhile)
+                reply.set_exception(result) if isinstance(result, RequestError) else reply.set_result(result)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return reply
+
+    def close(self, reason: str = "the stream was closed", code: int = 1) -> None:
         self.ended = True
+        for reply in self.waiting:
+            if not reply.done():
+                reply.set_exception(RequestError(code, reason))
 
 
 class FakeLink:
@@ -298,4 +320,58 @@ def test_the_target_expects_the_verifies_of_the_sessions_whose_steps_wait_for_th
     blocker.join(10)
     assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["idle", "waiting"]
     assert sorted(heard[-1]) == ["waiting"]
+    rounds.close()
+
+
+def test_a_lone_sessions_round_is_sent_by_the_asking_thread_and_completed_by_the_reply():
+    """No round under way or forming: the asking thread sends the round itself (no batcher worker to wake) and the
+    reply completes it where it is read; while it is out, another session's step waits for the next round, which
+    the worker sends after it."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=5, next_round_s=0.0)
+    a, b = drafting("a"), drafting("b")
+    run_round(rounds, [a])
+    stream, answered, release = link.streams[-1], threading.Event(), threading.Event()
+    senders: list[str] = []
+    answer, send = stream.call, stream.send
+
+    def recorded_send(request):
+        senders.append(threading.current_thread().name)
+        return send(request)
+
+    def held_call(request, timeout=None):
+        answered.set()
+        assert release.wait(30)
+        return answer(request, timeout)
+
+    stream.send, stream.call = recorded_send, held_call
+    ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
+    assert senders == [threading.current_thread().name] and answered.wait(30)
+    other = rounds.batcher.submit_future(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1)))
+    assert not other.done() and rounds.batcher.queued() == 1  # the worker does not send while a's round is out
+    stream.call = answer
+    release.set()
+    assert rounds.result(ahead).replies is not None and other.result(30).replies is not None
+    assert senders[1] == "draft-rounds"  # b's round, after a's, from the worker
+    assert [_proposing(r) for r in stream.rounds][-2:] == [["a"], ["b"]]
+    rounds.close()
+
+
+def test_a_round_sent_by_the_asking_thread_is_bounded_by_the_draft_timeout():
+    """No worker waits on a round its step's thread sent: `result` applies the draft timeout, and a drafter that
+    never answers closes the stream and fails the round (the step then goes AR), leaving the rounds usable."""
+    link = FakeLink()
+    rounds = DraftRounds(link, timeout_s=0.2, next_round_s=0.0)
+    a = drafting("a")
+    run_round(rounds, [a])
+    stream, never = link.streams[-1], threading.Event()
+    answer = stream.call
+    stream.call = lambda request, timeout=None: (never.wait(60), answer(request, timeout))[1]
+    ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
+    reply = rounds.result(ahead)
+    assert reply.replies is None and "DEADLINE_EXCEEDED" in reply.error and stream.ended, reply
+    assert rounds.wait_for_round(0.0)  # no round left under way
+    fresh = drafting("fresh")
+    assert run_round(rounds, [fresh])[0].replies is not None and len(link.streams) == 2
+    never.set()
     rounds.close()
