@@ -456,7 +456,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         else:
             if planned.reply is not None:  # drafted ahead
                 report.draft_ready = planned.reply.done()
-                ops, reply = planned.ops, planned.reply.result()
+                ops, reply = planned.ops, self.served[sid].rounds.result(planned.reply)
             else:
                 ops = drafting.round_ops(pending, length, planned.arm)
                 reply = self.served[sid].rounds.submit(RoundJob(drafting, ops))
