@@ -12,6 +12,7 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from dspark_grpc.runtime.drafting.sampling import make_generator
 from dspark_grpc.serving.security import principal_of
 from dspark_grpc.serving.server import check_enum, run_session_op, session_stream
+from dspark_grpc.serving.session_socket import SessionSocketServer
 from dspark_grpc.serving.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unavailable
 from dspark_grpc.speculation.wire import KERNEL_NAMES, PROPOSER_NAMES, PROPOSERS
@@ -31,6 +32,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.round_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="draft-round")
         self._running = 0  # operations under way (`handle` calls)
         self._lock = threading.Lock()
+        self.session_socket: SessionSocketServer | None = None  # the DraftSession stream on a Unix socket too
 
     def ready_engine(self) -> DraftEngine:
         if self.engine is None:
@@ -48,7 +50,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             target=common_pb2.Fingerprint(model=engine.target_fingerprint[0], tokenizer=engine.target_fingerprint[1]),
             proposers=[PROPOSERS[p] for p in engine.proposers], default_proposer=PROPOSERS[engine.default_proposer],
             max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
-            max_message_bytes=self.max_message_bytes, live_sessions=len(engine.sessions))
+            max_message_bytes=self.max_message_bytes, live_sessions=len(engine.sessions),
+            session_socket=self.session_socket.address if self.session_socket is not None else "")
         if c is not None:  # a DSpark drafter (prompt lookup alone needs no features)
             info.MergeFrom(draft_pb2.GetDrafterInfoResponse(
                 block_size=c.block_size, target_layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,
@@ -57,7 +60,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return info
 
     async def DraftSession(self, request_iterator, context):
-        async for response in session_stream(request_iterator, self.handle, self.executor, self._release_owner,
+        async for response in session_stream(request_iterator, self.handle, self.executor, self.release_owner,
                                              principal_of(context), inline=self._inline):
             yield response
 
@@ -72,7 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         rows = sum(len(o.append.tokens) for o, kind in zip(request.round.ops, ops, strict=True) if kind == "append")
         return ops.count("propose") <= 1 and rows <= INLINE_MAX_ROWS
 
-    def _release_owner(self, owner: object) -> None:
+    def release_owner(self, owner: object) -> None:
         if self.engine is not None:
             self.engine.release_owner(owner)
 

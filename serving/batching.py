@@ -14,7 +14,8 @@ on 2 cores (measured: 1-row SmolLM2 forward 33 -> 43 ms; docs/PERFORMANCE.md).
 Sessions come back at slightly different times after a batch (each accepts, commits and answers its client
 first). Taking only the first to return would split them into alternating half batches, so the worker waits up
 to `gather` x the last batch's seconds for every session (`session(job)`) seen in the last two batches to queue
-its next job. A session that went away costs that wait at most twice. Without `session` it never waits.
+its next job. A session that went away costs that wait at most twice. Without `session` it never waits. A session
+known to be busy elsewhere until its next job (`away`: waiting for its drafter) is not waited for.
 
 A caller that knows which sessions are about to submit (the sessions of one speculative round, each submitting from
 its own thread) says so with `expect`: the next batch then waits for all of them (up to a bound), so the round runs
@@ -74,8 +75,10 @@ class StepBatcher(Generic[J, R]):
         self.run_batch, self.rows, self.max_rows, self.on_batch = run_batch, rows, max_rows, on_batch
         self.gather, self.session, self.clock = gather, session, clock
         self._last_seconds = 0.0
+        self._last_end = float("-inf")  # when the last batch ended (clock)
         self._recent: list[set] = [set(), set()]  # sessions of the last two batches
         self._expected: dict[Hashable, float] = {}  # session -> until when the next batch waits for it (`expect`)
+        self._away: set[Hashable] = set()  # sessions not gathered for until they queue again (`away`)
         self._queue: list[_Ticket[J, R]] = []
         self._busy = False  # a batch is running (on the worker or inline)
         self.inline, self.inlined = inline, 0  # (how many jobs ran inline)
@@ -123,6 +126,13 @@ class StepBatcher(Generic[J, R]):
         with self._cv:
             return len(self._queue)
 
+    def away(self, session: Hashable) -> None:
+        """`session` is busy elsewhere (e.g. waiting for its drafter) until it queues its next job: batches do not
+        gather-wait for it meanwhile."""
+        with self._cv:
+            self._away.add(session)
+            self._cv.notify()
+
     def unexpect(self, session: Hashable) -> None:
         with self._cv:
             if self._expected.pop(session, None) is not None:
@@ -133,6 +143,18 @@ class StepBatcher(Generic[J, R]):
         ticket: _Ticket[J, R] = _Ticket(None, 0, threading.Event(), None, call=fn)  # type: ignore[arg-type]
         self._wait(ticket)
         return ticket.result
+
+    def wait_for_return(self, within_s: float) -> bool:
+        """For a long computation on the worker (between two of its slices): wait up to `within_s` for a session of
+        the last batch, if it ended less than a batch's time ago, to queue its next job. True when a job is queued
+        (the computation should let it run first)."""
+        def job_queued() -> bool:
+            return any(t.call is None for t in self._queue)
+
+        with self._cv:
+            if not job_queued() and self._recent[1] and self.clock() - self._last_end <= self._last_seconds:
+                self._cv.wait_for(lambda: job_queued() or self._closed, within_s)
+            return job_queued()
 
     def claim(self, session: Hashable) -> bool:
         """Take the batcher for one job of `session` that its caller runs itself, now or as it completes (e.g. a
@@ -153,7 +175,7 @@ class StepBatcher(Generic[J, R]):
         it already)."""
         with self._cv:
             if seconds is not None:
-                self._last_seconds = seconds
+                self._last_seconds, self._last_end = seconds, self.clock()
                 if self.session is not None:
                     self._recent = [self._recent[1], {session}]
             self._busy = False
@@ -182,6 +204,7 @@ class StepBatcher(Generic[J, R]):
                 raise RuntimeError("the step batcher is closed")
             self._queue.append(ticket)
             self._expected.pop(ticket.session, None)
+            self._away.discard(ticket.session)
             self._cv.notify()
 
     def close(self) -> None:
@@ -205,7 +228,7 @@ class StepBatcher(Generic[J, R]):
                 now = self.clock()
                 self._expected = {s: until for s, until in self._expected.items() if until > now}
                 waits = list(self._expected.values())
-                if now < gather_until and not recent <= {t.session for t in self._queue}:
+                if now < gather_until and not recent - self._away <= {t.session for t in self._queue}:
                     waits.append(gather_until)
                 if not waits:
                     break
@@ -267,7 +290,8 @@ class StepBatcher(Generic[J, R]):
             for t in batch:
                 t.error = e
             return
-        info = BatchInfo(len(batch), sum(t.rows for t in batch), self.clock() - t0)
+        self._last_end = self.clock()
+        info = BatchInfo(len(batch), sum(t.rows for t in batch), self._last_end - t0)
         self._last_seconds = info.seconds
         if self.session is not None:
             self._recent = [self._recent[1], {t.session for t in batch}]

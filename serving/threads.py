@@ -4,10 +4,13 @@ A compiled step runs ~180 short parallel regions, each ending at a barrier of th
 process takes one of the cores, a thread of the team is descheduled and every barrier waits for it: a 1-row step
 of the default target on 2 threads was ~11x slower with one core busy, and on one thread about as fast as on an idle
 core (docs/PERFORMANCE.md). Which count wins depends on what else runs on the machine, so the worker measures: it
-runs on `threads`, and now and then probes the other count for a few forwards, each compared with the current
-count's recent forwards of the same row bucket; the probe takes over when it is `margin` faster. A probe that loses
-doubles the time to the next one (up to `max_interval_s`); on all threads, a slowdown of the forwards (`slowdown` x
-their level after the last decision: the machine became busy) probes one thread at once.
+runs on `threads`, and now and then probes the other count in pairs of forwards: per row bucket, a forward on the
+probed count, then the next forward of that bucket on the current count (as a bench interleaves what it compares: a
+drift of the machine, or a few slow forwards before the probe, hits both sides alike; pairing by bucket, not by
+turn, keeps a regular mix of row counts from putting each bucket on one side); the probe takes over when the median
+of `probe_forwards` pairs says it is `margin` faster. A probe that loses doubles the time to the next one (up to
+`max_interval_s`); on all threads, a slowdown of the forwards (`slowdown` x their level after the last decision: the
+machine became busy) probes one thread at once.
 
 Only for a model whose outputs do not depend on its thread count (`same_outputs_on_one_thread`): lossless
 speculation compares a verify with AR steps that may have run on the other count. Drafts need no such check (a
@@ -32,7 +35,7 @@ def row_bucket(rows: int) -> int:
 
 class ThreadGovernor:
     def __init__(self, threads: int, set_threads: Callable[[int], None] = torch.set_num_threads,
-                 clock: Callable[[], float] = time.perf_counter, probe_forwards: int = 3,
+                 clock: Callable[[], float] = time.perf_counter, probe_forwards: int = 4,
                  min_interval_s: float = 2.0, max_interval_s: float = 60.0, margin: float = 0.1,
                  slowdown: float = 1.5, alpha: float = 0.2) -> None:
         assert threads >= 1 and probe_forwards >= 1 and 0 < margin < 1 and slowdown > 1
@@ -49,8 +52,10 @@ class ThreadGovernor:
         self._interval = min_interval_s
         self._next_probe = clock() + min_interval_s
         self._probe: int | None = None  # the count being probed
-        self._probe_ratios: list[float] = []
+        self._probe_ratios: list[float] = []  # probe / current seconds of paired forwards
         self._probe_seen = 0
+        self._running = threads  # the count forwards run on now
+        self._unpaired: dict[int, float] = {}  # row bucket -> seconds of a probe's forward on the probed count
 
     def run(self, forward: Callable[[], T], rows: int) -> T:
         """`forward()` on the thread count chosen now (call it on the worker thread that runs every forward)."""
@@ -58,25 +63,33 @@ class ThreadGovernor:
             return forward()
         if self._probe is None and self.clock() >= self._next_probe:
             self._start_probe()
+        bucket = row_bucket(rows)
+        if self._probe is not None:  # the bucket's pair: its probed forward first, then its current one
+            self._switch(self.current if bucket in self._unpaired else self._probe)
         t0 = self.clock()
         out = forward()
-        self._observe(row_bucket(rows), self.clock() - t0)
+        self._observe(bucket, self.clock() - t0)
         return out
 
     def _start_probe(self) -> None:
         self._probe = 1 if self.current != 1 else self.threads
-        self._probe_ratios, self._probe_seen = [], 0
+        self._probe_ratios, self._probe_seen, self._unpaired = [], 0, {}
         self.probes += 1
-        self.set_threads(self._probe)
+
+    def _switch(self, count: int) -> None:
+        if count != self._running:
+            self._running = count
+            self.set_threads(count)
 
     def _observe(self, bucket: int, seconds: float) -> None:
         if self._probe is not None:
             self._probe_seen += 1
-            reference = self._level.get((self.current, bucket))
-            if self._probe_seen > 1 and reference:  # the first forward on a new count wakes its threads
-                self._probe_ratios.append(seconds / reference)
-            self._ema((self._probe, bucket), seconds)
-            if len(self._probe_ratios) >= self.probe_forwards or self._probe_seen >= 4 * self.probe_forwards:
+            if self._running == self._probe:
+                self._unpaired[bucket] = seconds
+            elif bucket in self._unpaired:
+                self._probe_ratios.append(self._unpaired.pop(bucket) / seconds)
+            self._ema((self._running, bucket), seconds)
+            if len(self._probe_ratios) >= self.probe_forwards or self._probe_seen >= 8 * self.probe_forwards:
                 self._decide()
             return
         self._ema((self.current, bucket), seconds)
@@ -93,8 +106,8 @@ class ThreadGovernor:
             self.current, self.switches = self._probe, self.switches + 1
             self._interval = self.min_interval_s
         else:
-            self.set_threads(self.current)
             self._interval = min(2 * self._interval, self.max_interval_s)
+        self._switch(self.current)
         self._probe = None
         self._baseline.clear()
         self._since_decision.clear()

@@ -5,8 +5,12 @@ Needs only grpcio + protobuf."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ipaddress
+import os
 import queue
+import socket
+import struct
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,12 +35,15 @@ class SessionStream:
     """
 
     def __init__(self, open_stream: Callable, timeout: float | None) -> None:
+        self._start_replies()
         self._requests: queue.Queue = queue.Queue()
+        self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
+        threading.Thread(target=self._read, name="session-stream-reader", daemon=True).start()
+
+    def _start_replies(self) -> None:
         self._waiting: collections.deque[Future] = collections.deque()  # one per request not answered yet
         self._error: RequestError | None = None  # why the stream ended
         self._lock = threading.Lock()
-        self._responses = open_stream(iter(self._requests.get, None), timeout=timeout)
-        threading.Thread(target=self._read, name="session-stream-reader", daemon=True).start()
 
     @property
     def ended(self) -> bool:
@@ -46,16 +53,19 @@ class SessionStream:
     def _read(self) -> None:
         try:
             for response in self._responses:
-                with self._lock:
-                    waiting = self._waiting.popleft() if self._waiting else None
-                if waiting is None:
-                    raise RuntimeError("a reply to no request")
-                waiting.set_result(response)
+                self._reply(response)
             self._end(RequestError(14, "the server closed the stream"))
         except grpc.RpcError as e:
             self._end(RequestError(e.code().value[0], e.details() or e.code().name))
         except Exception as e:  # noqa: BLE001 - e.g. a reply grpc could not deserialize: still an end, not a hang
             self._end(RequestError(13, f"the stream failed: {type(e).__name__}: {e}"))
+
+    def _reply(self, response) -> None:
+        with self._lock:
+            waiting = self._waiting.popleft() if self._waiting else None
+        if waiting is None:
+            raise RuntimeError("a reply to no request")
+        waiting.set_result(response)
 
     def _end(self, error: RequestError) -> None:
         with self._lock:
@@ -70,10 +80,14 @@ class SessionStream:
         with self._lock:  # the order of the waiting Futures is the order of the requests
             if self._error is None:
                 self._waiting.append(future)
-                self._requests.put(request)
+                self._transmit(request)
                 return future
         future.set_exception(self._error)
         return future
+
+    def _transmit(self, request) -> None:
+        """Hand `request` on, in order (called under the lock; must not block)."""
+        self._requests.put(request)
 
     def call(self, request, timeout: float | None = None):
         """Send a request and wait for its reply; past `timeout` the stream is closed (RequestError
@@ -93,6 +107,126 @@ class SessionStream:
         self._end(RequestError(code, reason))
         self._requests.put(None)
         self._responses.cancel()
+
+
+# A session stream's frame on a local socket: the serialized message's length (4 bytes, little-endian), then it.
+FRAME_HEADER = struct.Struct("<I")
+
+
+def frame(message) -> bytes:
+    payload = message.SerializeToString()
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def read_frame(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes | None:
+    """The next frame's payload; None when the peer closed the socket between frames. ValueError: a frame over
+    `max_bytes`; ConnectionError: closed within a frame."""
+    header = _read_exactly(sock, FRAME_HEADER.size, eof_ok=True)
+    if header is None:
+        return None
+    (size,) = FRAME_HEADER.unpack(header)
+    if size > max_bytes:
+        raise ValueError(f"a message of {size} bytes is over the {max_bytes}-byte limit")
+    return _read_exactly(sock, size)
+
+
+def _read_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionError("the socket closed within a message")
+        got += k
+    return bytes(buf)
+
+
+def same_user(conn: socket.socket) -> bool:
+    """The process at the other end of a Unix socket runs as this process's user (SO_PEERCRED: pid, uid, gid)."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid == os.getuid()
+
+
+def socket_address(address: str) -> str:
+    """A session socket's address as `socket.connect` takes it: "@name" is Linux's abstract socket "\\0name"."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+class SocketSessionStream(SessionStream):
+    """A session stream over a Unix socket on the server's machine (the draft service's `session_socket`): the same
+    messages, each one frame (`frame`), with no HTTP/2 and no gRPC threads between the caller and the socket. `send`
+    writes on the caller's thread when the socket takes the frame at once; a frame it cannot take whole (a large
+    capture, a server that stopped reading) goes to a writer thread, and the frames after it too, in order, so a
+    caller never blocks on the socket. The reader thread completes the Futures, as for the gRPC stream."""
+
+    def __init__(self, path: str, response_type: type, connect_timeout: float = 2.0) -> None:
+        self._start_replies()
+        self._response_type = response_type
+        self._backlog: collections.deque[bytes] = collections.deque()  # frames the writer thread has yet to send
+        self._backlog_ready = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.settimeout(connect_timeout)
+            self._sock.connect(socket_address(path))
+            self._sock.settimeout(None)
+            if not same_user(self._sock):  # it would refuse us: the caller uses gRPC instead
+                raise ConnectionRefusedError(f"the session socket {path} belongs to another user")
+        except OSError:
+            self._sock.close()
+            raise
+        threading.Thread(target=self._read, name="session-socket-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while (payload := read_frame(self._sock)) is not None:
+                self._reply(self._response_type.FromString(payload))
+            self._end(RequestError(14, "the server closed the session socket"))
+        except Exception as e:  # noqa: BLE001 - a socket error or a reply that does not parse: the stream's end
+            self._end(RequestError(14, f"the session socket failed: {type(e).__name__}: {e}"))
+
+    def _transmit(self, request) -> None:
+        data = frame(request)
+        if not self._backlog:
+            try:
+                sent = self._sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                sent = 0  # the reader sees the socket fail and ends the stream
+            if sent == len(data):
+                return
+            data = data[sent:]
+        self._backlog.append(data)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="session-socket-writer", daemon=True)
+            self._writer.start()
+        self._backlog_ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._lock:
+                while not self._backlog and self._error is None:
+                    self._backlog_ready.wait()
+                if self._error is not None:
+                    return
+                data = self._backlog[0]  # left in the backlog while it is sent: later frames queue behind it
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self.close(f"the session socket failed: {e}", code=14)
+                return
+            with self._lock:
+                self._backlog.popleft()
+
+    def close(self, reason: str = "the stream was closed", code: int = 1) -> None:
+        self._end(RequestError(code, reason))
+        with self._lock:
+            self._backlog_ready.notify_all()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader's recv returns; the server releases the sessions
 
 
 # gRPC's reconnect backoff grows to 2 minutes while a service is down: a restarted service would be found only

@@ -1,9 +1,9 @@
-"""The generation loop, written once over the TargetSession protocol: open, prefill, then one Step per target
-forward (the target drafts with its own drafter, verifies and commits; speculation/steps.py).
+"""The generation loop: open, prefill, then one step per target forward (the target drafts with its own drafter,
+verifies and commits: target_service/step_engine.py), turned into what each step adds to the text, with EOS, stop
+strings, the length bound and the request's statistics.
 
-The target service's Generate RPC (what the SDK calls) runs it in-process, no round trip per step; a client can run
-the very same loop over a TargetSession stream (one round trip per step). It only speaks dspark.v1 messages, so it
-needs no torch.
+The target service's Generate RPC runs it in-process, calling its step engine directly (`TargetSteps`). It only
+speaks dspark.v1 messages, so it needs no torch.
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ class RequestError(Exception):
 
 
 
-class TargetOps(Protocol):
-    """One request, one response, in order (a TargetSession stream or an in-process dispatcher)."""
+class TargetSteps(Protocol):
+    """The session operations a generation makes, in this order, each raising on failure (a status-carrying error:
+    speculation/errors.py)."""
 
-    def call(self, request: target_pb2.TargetSessionRequest) -> target_pb2.TargetSessionResponse: ...
+    def open(self, m: target_pb2.OpenSession) -> target_pb2.SessionOpened: ...
 
+    def prefill(self, m: target_pb2.Prefill) -> target_pb2.Prefilled: ...
 
-def checked(response: target_pb2.TargetSessionResponse) -> target_pb2.TargetSessionResponse:
-    if response.status.code:
-        raise RequestError(response.status.code, response.status.message)
-    return response
+    def step(self, session_id: str, tokens_left: int) -> target_pb2.Stepped: ...
+
+    def release(self, session_id: str) -> None: ...
 
 
 class StopStrings:
@@ -78,27 +79,15 @@ class GenerationConfig:
     ignore_eos: bool = False
 
 
-def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: GenerationConfig,
+def generate_deltas(target: TargetSteps, prompt: common_pb2.Prompt, config: GenerationConfig,
                     eos_token_ids: frozenset[int], stats: common_pb2.GenerationStats,
                     step_options: target_pb2.StepOptions | None = None) -> Iterator[Delta]:
-    """Prefill, then one Step (one target forward) at a time; yields what each step adds. `step_options` (unset:
+    """Prefill, then one step (one target forward) at a time; yields what each step adds. `step_options` (unset:
     AR) say how the target decodes the steps. Releases the session on every exit."""
     if config.max_new_tokens <= 0:
         raise RequestError(3, f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
-    ids = iter(range(1, 1 << 62))
-
     sums = _StepSums()
-
-    def call(**op: object) -> target_pb2.TargetSessionResponse:
-        request = target_pb2.TargetSessionRequest(request_id=next(ids), **op)
-        response = target.call(request)
-        sums.bytes += request.ByteSize() + response.ByteSize()
-        result = response.WhichOneof("result")
-        if result in _WITH_CAPTURE and getattr(response, result).HasField("capture"):
-            sums.capture_bytes += getattr(response, result).capture.ByteSize()
-        return checked(response)
-
-    opened = call(open=target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION, step_options=step_options)).opened
+    opened = target.open(target_pb2.OpenSession(protocol_version=PROTOCOL_VERSION, step_options=step_options))
     sid = opened.session_id
     reasons = [opened.fallback_reason] if opened.fallback_reason else []
     stop = StopStrings(list(config.stop))
@@ -106,7 +95,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
     accepted: list[int] = []  # per depth: steps whose accepted path reached that depth
     t0 = time.perf_counter()
     try:
-        pre = call(prefill=target_pb2.Prefill(session_id=sid, prompt=prompt, sampling=config.sampling)).prefilled
+        pre = target.prefill(target_pb2.Prefill(session_id=sid, prompt=prompt, sampling=config.sampling))
         t_prefill = time.perf_counter()
         stats.prompt_tokens = len(pre.prompt_tokens)
         stats.prefill_seconds = t_prefill - t0
@@ -140,7 +129,7 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
 
             t_step = time.perf_counter()
             left = config.max_new_tokens - stats.generated_tokens
-            stepped = call(step=target_pb2.Step(session_id=sid, tokens_left=left)).stepped
+            stepped = target.step(sid, left)
             _add_step(stats, stepped.report, len(stepped.tokens) - 1, time.perf_counter() - t_step, drafted,
                       accepted, reasons, sums)
             length = stepped.length
@@ -148,8 +137,8 @@ def generate_deltas(target: TargetOps, prompt: common_pb2.Prompt, config: Genera
             texts = list(stepped.token_texts)
     finally:
         try:
-            call(release=target_pb2.Release(session_id=sid))
-        except Exception:  # noqa: BLE001 - the stream may already be gone; the server frees it then
+            target.release(sid)
+        except Exception:  # noqa: BLE001 - already gone (evicted, the service stopping): nothing to free
             pass
 
 
@@ -159,11 +148,6 @@ class _StepSums:
     forward_rows: int = 0
     draft_pass_sessions: int = 0
     drafting_steps: int = 0
-    bytes: int = 0
-    capture_bytes: int = 0
-
-
-_WITH_CAPTURE = ("prefilled", "verified", "committed")
 
 
 def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, accepted_tokens: int, wall: float,
@@ -209,7 +193,6 @@ def _count(counts: list[int], depth: int) -> None:
 def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, drafted: list[int],
                   accepted: list[int], sums: _StepSums, reasons: list[str]) -> None:
     stats.decode_seconds = decode_seconds
-    stats.session_bytes, stats.capture_bytes = sums.bytes, sums.capture_bytes
     if stats.steps:
         stats.forward_sessions = sums.forward_sessions / stats.steps
         stats.forward_rows = sums.forward_rows / stats.steps

@@ -41,6 +41,7 @@ class NextStep:
     ops: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
     reply: Future | None = None
     from_chain: draft_pb2.Proposal | None = None
+    waits_turn: bool = False  # AR because the session waits its turn to draft beside AR sessions (`takes_turn`)
 
 
 @dataclass
@@ -91,7 +92,8 @@ class SessionDrafting:
     context: list[draft_pb2.AppendContext] | None = None
     target: common_pb2.Fingerprint = field(default_factory=common_pb2.Fingerprint)  # the open's
     moves: int = 0
-    moved: list[str] = field(default_factory=list)  # moves to another drafter not reported yet
+    notes: list[str] = field(default_factory=list)  # for the next report: moves to another drafter, turns waited
+    turn_credit: float | None = None  # see `takes_turn`
 
     @classmethod
     def start(cls, session_id: str, options: target_pb2.StepOptions, info: draft_pb2.GetDrafterInfoResponse,
@@ -118,7 +120,7 @@ class SessionDrafting:
         self.queued = [self._open_op(), *(draft_pb2.DraftSessionRequest(append=a) for a in self.context)]
         self.opened, self.next, self.rest = False, None, None
         self.moves += 1
-        self.moved.append(f"step {self.steps}: {why}; drafting moved to {drafter}")
+        self.notes.append(f"step {self.steps}: {why}; drafting moved to {drafter}")
         return True
 
     def _queue_append(self, op: draft_pb2.AppendContext) -> None:
@@ -191,6 +193,20 @@ class SessionDrafting:
             if arm == AR:
                 return AR
         return self.options.proposer or self.info.default_proposer or draft_pb2.PROPOSER_DSPARK
+
+    def takes_turn(self, share: float, phase: float) -> bool:
+        """Whether this step drafts when the session may draft on `share` of its steps: a credit that grows by
+        `share` a step and drafts when it reaches 1. It starts at `phase` (in [0, 1), the first time), so sessions
+        given different phases take their turns at different steps."""
+        if share >= 1.0:
+            return True
+        if self.turn_credit is None:
+            self.turn_credit = phase
+        self.turn_credit += share
+        if self.turn_credit >= 1.0:
+            self.turn_credit -= 1.0
+            return True
+        return False
 
     def round_ops(self, anchor: int, position: int, proposer: int) -> list[draft_pb2.DraftSessionRequest]:
         """What this session sends in the round: its queued ops, then the proposal request."""

@@ -16,6 +16,7 @@ from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, resolve_com
 from dspark_grpc.serving.security import ServerSecurity, server_security
 from dspark_grpc.serving.server import add_serve_arguments, checked_device, exit_now, in_thread_that_ends, serve
 from dspark_grpc.speculation.channel import ChannelSecurity
+from dspark_grpc.speculation.round_planner import AR_NEIGHBOUR_SLOWDOWN
 from dspark_grpc.speculation.wire import ADAPTIVE, AR, SPECULATION
 from dspark_grpc.target_service.drafter_link import warn_if_unreachable
 from dspark_grpc.target_service.engine import EngineLimits, TargetEngine
@@ -70,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-timeout", type=non_negative_float, default=10.0,
                    help="seconds a drafter call may take before the request finishes target-only; 0 = no bound "
                         "(a drafter that fails its health probe, checked every 0.5 s, is dropped either way)")
+    s.add_argument("--ar-neighbour-slowdown", type=non_negative_float, default=AR_NEIGHBOUR_SLOWDOWN,
+                   help="how much costlier speculating sessions may make a forward they share with sessions that "
+                        f"decode AR (default {AR_NEIGHBOUR_SLOWDOWN}: 25 %%; beside them they draft on their turns "
+                        "only); 0 = no bound")
     s.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false",
                    help="do not ask the drafter for a session's next proposal as soon as a step commits (by default "
                         "it drafts while the reply travels and the next Step comes back)")
@@ -109,25 +114,28 @@ def main(argv: list[str] | None = None) -> None:
                                   draft_ahead=args.draft_ahead)
     except ValueError as e:  # a --drafter dns name without a port
         p.error(str(e))
-    for drafter in servicer.drafters.members if servicer.drafters is not None else []:
+    if args.ar_neighbour_slowdown and args.ar_neighbour_slowdown < 1.0:
+        p.error(f"--ar-neighbour-slowdown must be >= 1 (or 0 for no bound), got {args.ar_neighbour_slowdown}")
+    servicer.steps.ar_neighbour_slowdown = args.ar_neighbour_slowdown or None
+    for drafter in servicer.steps.drafters.members if servicer.steps.drafters is not None else []:
         warn_if_unreachable(drafter.link, "[dspark-target]")  # one line at start-up for each that does not answer
     observe_forward = None
     if args.metrics_port is not None:
         from dspark_grpc.serving.service_metrics import ForwardMetrics, forward_threads_gauge, live_sessions_gauge
         from dspark_grpc.speculation.metrics import SpecDecodeMetrics
 
-        servicer.metrics = SpecDecodeMetrics()
-        servicer.metrics.watch_adaptive(servicer.chooser.summary)
-        forwards = ForwardMetrics("target", registry=servicer.metrics.registry)  # one /metrics for both
-        live_sessions_gauge(servicer.metrics.registry, "target",
+        servicer.steps.metrics = SpecDecodeMetrics()
+        servicer.steps.metrics.watch_adaptive(servicer.steps.chooser.summary)
+        forwards = ForwardMetrics("target", registry=servicer.steps.metrics.registry)  # one /metrics for both
+        live_sessions_gauge(servicer.steps.metrics.registry, "target",
                             lambda: len(servicer.engine.sessions) if servicer.engine is not None else 0)
-        forward_threads_gauge(servicer.metrics.registry, "target",
+        forward_threads_gauge(servicer.steps.metrics.registry, "target",
                               lambda: servicer.engine.threads.current if servicer.engine is not None else 0)
 
         def observe_forward(info) -> None:
             forwards.observe_forward(info.jobs, info.rows, info.seconds)
 
-        server = servicer.metrics.serve(args.metrics_port, addr=args.host)
+        server = servicer.steps.metrics.serve(args.metrics_port, addr=args.host)
         print(f"[dspark-target] metrics at http://{args.host}:{server.server_port}/metrics", flush=True)
     limits = EngineLimits(max_sessions=args.max_sessions, idle_ttl_s=args.session_ttl,
                           max_tree_nodes=args.max_tree_nodes, max_length=args.max_length or None,

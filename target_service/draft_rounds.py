@@ -7,7 +7,9 @@ round) and their proposal requests go to the drafter as one message, which draft
 sessions then verify in one target forward (`on_round` tells the target's batcher to expect them). A round that
 fails (timeout, a dropped stream, the drafter's health probe failing) fails the drafting of every session in it;
 their draft sessions lived on that stream, so a session opened on an earlier stream stops drafting, and new
-sessions open on a new stream.
+sessions open on a new stream. When no round is under way or forming, a step's round is not handed to the
+batcher's worker: the step's own thread sends it, and the reply finishes it on the stream's reader thread
+(`submit_ahead`; the draft timeout then applies in `result`).
 
 The sessions of a round verify, then ask for their next proposals (drafted ahead) within about one forward. A round
 that formed meanwhile would split the sessions into groups that alternate between the drafter and the target, and

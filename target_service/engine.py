@@ -41,9 +41,9 @@ ROUND_WAIT_S = 2.0
 # target's context: a token of a byte-level BPE rarely spans more than a few bytes, so this only catches what could
 # never fit.
 MAX_PROMPT_CHARS_PER_TOKEN = 32
-# Rows of a prompt chunk: a slice of its forward is one layer of it at least, which a neighbour's step may wait for
-# (docs/RELIABILITY.md: 512 rows cost a neighbour 8-9x, 128 rows 2.4-3.2x and the prompt ~20 % of its throughput)
-PREFILL_CHUNK_ROWS = 128
+# Rows of a prompt chunk: a slice of its forward is half a layer of it at least, which a neighbour's step may wait
+# for; fewer rows cost the prompt some throughput (docs/RELIABILITY.md, "A long prompt beside a short request")
+PREFILL_CHUNK_ROWS = 64
 LOCK_TURN_S = 0.05  # the longest a prompt chunk waits between two layers for others to take the cache store's lock
 
 Prompt = str | list[dict[str, str]] | Sequence[int]
@@ -276,14 +276,23 @@ class TargetEngine:
     def _forward_in_slices(self, inp: SequenceInput) -> ForwardOutput:
         """A prompt chunk on the worker, a slice of its layers at a time while other sessions' steps are queued: the
         worker runs them between two slices, so a neighbour's step waits for about one slice (`slice_seconds`: the
-        last batch's, about one step) rather than for the whole chunk. However it is sliced, the chunk computes the
-        same numbers (the same ops on the same tensors, in the same order); alone, it runs in one slice."""
+        last batch's, about one step) rather than for the whole chunk. Decode steps first: a session that has just
+        stepped gets up to a quarter step to queue its next step before a slice starts (`wait_for_return`), every
+        other slice. However it is sliced, the chunk computes the same numbers (the same ops on the same tensors, in
+        the same order); alone, it runs in one slice."""
         layers = self.model.forward_by_layers([inp])
         out: list[ForwardOutput] = []
         t_start = time.perf_counter()
         lock = self.model.step_lock()
+        yielded = [False]
 
         def run_slice() -> bool:
+            # decode steps first: a session that just stepped is let in before the slice, unless the slice before
+            # this one already let one in (the prompt advances at least a slice per step)
+            if not yielded[0] and self.batcher.wait_for_return(self.batcher.gather * self.batcher.last_seconds):
+                yielded[0] = True
+                return False
+            yielded[0] = False
             t0, budget = time.perf_counter(), self.slice_seconds()
             while True:
                 if getattr(lock, "waiting", 0):  # a session's commit: before the next layer
@@ -368,22 +377,27 @@ class TargetEngine:
             raise FailedPrecondition("prefill the session before stepping")
         return s.tokens[s.cache.length], s.cache.length, s.max_length
 
+    def _batch_key(self, session_id: str) -> int | None:
+        """The session's key in the batcher (its cache's id), None once it is gone."""
+        try:
+            return id(self.sessions.get(session_id).cache)
+        except NotFound:
+            return None
+
     def expect_steps(self, session_ids: list[str], within_s: float = ROUND_WAIT_S) -> None:
         """These sessions are about to verify, each from its own thread (a speculative round): one forward."""
-        keys = []
-        for sid in session_ids:
-            try:
-                keys.append(id(self.sessions.get(sid).cache))
-            except NotFound:
-                pass
-        self.batcher.expect(keys, within_s)
+        keys = [self._batch_key(sid) for sid in session_ids]
+        self.batcher.expect([k for k in keys if k is not None], within_s)
+
+    def step_away(self, session_id: str) -> None:
+        """The session waits for its drafter before its next verify: forwards do not wait for it meanwhile."""
+        if (key := self._batch_key(session_id)) is not None:
+            self.batcher.away(key)
 
     def unexpect_step(self, session_id: str) -> None:
         """The session's verify of the round is not coming (or has run): do not wait for it."""
-        try:
-            self.batcher.unexpect(id(self.sessions.get(session_id).cache))
-        except NotFound:
-            pass
+        if (key := self._batch_key(session_id)) is not None:
+            self.batcher.unexpect(key)
 
     def _check_capture_size(self, s: TargetSession, rows: int, max_bytes: int | None, what: str) -> None:
         size = rows * len(s.capture_layers) * self.model.config.hidden_size * 2  # bf16 on the wire

@@ -28,8 +28,18 @@ class FakeStream:
         self.rounds: list[draft_pb2.DraftRound] = []
         self.ended, self.fail, self.proposal = False, fail, proposal
         self.waiting: list[Future] = []
+        self.gate: threading.Event | None = None  # `hold`
+        self.arrived = threading.Event()  # a call came in
+
+    def hold(self) -> threading.Event:
+        """From now on each call waits for the returned gate before it answers (`arrived` says one came in)."""
+        self.gate = threading.Event()
+        return self.gate
 
     def call(self, request: draft_pb2.DraftSessionRequest, timeout: float | None = None):
+        self.arrived.set()
+        if self.gate is not None:
+            assert self.gate.wait(60)
         if self.fail:
             raise RequestError(14, "connection reset")
         self.rounds.append(request.round)
@@ -278,17 +288,10 @@ def test_a_step_that_needs_no_round_waits_for_the_round_under_way():
     a = drafting("a")
     run_round(rounds, [a])
     assert rounds.wait_for_round(0.0)  # none under way
-    stream, held, release = link.streams[-1], threading.Event(), threading.Event()
-    answer = stream.call
-
-    def slow_call(request, timeout=None):
-        held.set()
-        assert release.wait(30)
-        return answer(request, timeout)
-
-    stream.call = slow_call
+    stream = link.streams[-1]
+    release = stream.hold()
     ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
-    assert held.wait(30)
+    assert stream.arrived.wait(30)
     waited: list[bool] = []
     waiter = threading.Thread(target=lambda: waited.append(rounds.wait_for_round(60.0)))
     waiter.start()
@@ -331,25 +334,18 @@ def test_a_lone_sessions_round_is_sent_by_the_asking_thread_and_completed_by_the
     rounds = DraftRounds(link, timeout_s=5, next_round_s=0.0)
     a, b = drafting("a"), drafting("b")
     run_round(rounds, [a])
-    stream, answered, release = link.streams[-1], threading.Event(), threading.Event()
-    senders: list[str] = []
-    answer, send = stream.call, stream.send
+    stream, senders = link.streams[-1], []
+    send, release = stream.send, stream.hold()
 
     def recorded_send(request):
         senders.append(threading.current_thread().name)
         return send(request)
 
-    def held_call(request, timeout=None):
-        answered.set()
-        assert release.wait(30)
-        return answer(request, timeout)
-
-    stream.send, stream.call = recorded_send, held_call
+    stream.send = recorded_send
     ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
-    assert senders == [threading.current_thread().name] and answered.wait(30)
+    assert senders == [threading.current_thread().name] and stream.arrived.wait(30)
     other = rounds.batcher.submit_future(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1)))
     assert not other.done() and rounds.batcher.queued() == 1  # the worker does not send while a's round is out
-    stream.call = answer
     release.set()
     assert rounds.result(ahead).replies is not None and other.result(30).replies is not None
     assert senders[1] == "draft-rounds"  # b's round, after a's, from the worker
@@ -364,9 +360,8 @@ def test_a_round_sent_by_the_asking_thread_is_bounded_by_the_draft_timeout():
     rounds = DraftRounds(link, timeout_s=0.2, next_round_s=0.0)
     a = drafting("a")
     run_round(rounds, [a])
-    stream, never = link.streams[-1], threading.Event()
-    answer = stream.call
-    stream.call = lambda request, timeout=None: (never.wait(60), answer(request, timeout))[1]
+    stream = link.streams[-1]
+    never = stream.hold()
     ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
     reply = rounds.result(ahead)
     assert reply.replies is None and "DEADLINE_EXCEEDED" in reply.error and stream.ended, reply
@@ -374,4 +369,27 @@ def test_a_round_sent_by_the_asking_thread_is_bounded_by_the_draft_timeout():
     fresh = drafting("fresh")
     assert run_round(rounds, [fresh])[0].replies is not None and len(link.streams) == 2
     never.set()
+    rounds.close()
+
+
+def test_a_release_after_a_round_its_step_sent_goes_after_that_round():
+    """The same rule when the round drafted ahead was sent by the step's own thread (no worker involved): the
+    release is queued only once that round's reply is in."""
+    link = FakeLink()
+    rounds = DraftRounds(link, 10.0, next_round_s=0.0)
+    s = drafting("a")
+    run_round(rounds, [s])
+    stream = link.streams[-1]
+    go = stream.hold()
+    ahead = rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=5, position=4, proposer=1), False))
+    rounds.release(s, s.finish(), after=ahead)
+    assert not ahead.done() and rounds.batcher.queued() == 0  # the release waits for the round, not in the queue
+    go.set()
+    assert rounds.result(ahead).replies is not None
+    for _ in range(2000):  # until the release's round arrives (no timing asserted)
+        if len(stream.rounds) == 3:
+            break
+        threading.Event().wait(0.005)
+    assert [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds] == [["open", "propose"], ["propose"],
+                                                                              ["release"]]
     rounds.close()

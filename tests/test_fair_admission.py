@@ -136,40 +136,35 @@ def test_what_the_default_does_not_cover_a_stranger_on_several_connections():
 
 
 def test_a_generate_that_finds_no_session_waits_for_one_to_be_freed():
-    """Generate's session ops (target_service/servicer._InProcessTarget) on a store whose one client holds its
+    """Generate's session operations (target_service/servicer.GenerateSteps) on a store whose one client holds its
     share: the open waits for a release (an explicit gate, no clock) instead of failing, then succeeds."""
     import threading
     from types import SimpleNamespace
 
     from dspark_grpc.protos.dspark.v1 import target_pb2
-    from dspark_grpc.serving.server import run_session_op
-    from dspark_grpc.target_service.servicer import _InProcessTarget
+    from dspark_grpc.target_service.servicer import GenerateSteps
 
     store = SessionStore(4, 600.0, max_per_principal=2, reserved=1)
     client = Owner("peer:ipv4:10.0.0.1:5000")
     held = [store.create("held", client) for _ in range(2)]
     tried = threading.Event()
 
-    def dispatch(request, owner):
+    def open_session(m, owner):
         try:
-            return dict(opened=target_pb2.SessionOpened(session_id=store.create("new", owner)))
+            return target_pb2.SessionOpened(session_id=store.create("new", owner))
         finally:
             tried.set()
 
-    servicer = SimpleNamespace(engine=SimpleNamespace(sessions=store))
-    servicer.ready_engine = lambda: servicer.engine
-    servicer.handle = lambda request, owner: run_session_op(dispatch, request, owner,
-                                                            target_pb2.TargetSessionResponse)
-    target = _InProcessTarget(servicer, client, deadline=None, stop=threading.Event())
-    replies: list = []
-    waiting = threading.Thread(target=lambda: replies.append(target.call(target_pb2.TargetSessionRequest(
-        open=target_pb2.OpenSession()))))
+    steps = SimpleNamespace(ready_engine=lambda: SimpleNamespace(sessions=store), open=open_session)
+    target = GenerateSteps(steps, client, deadline=None, stop=threading.Event())
+    opened: list = []
+    waiting = threading.Thread(target=lambda: opened.append(target.open(target_pb2.OpenSession())))
     waiting.start()
     assert tried.wait(10)  # refused (the client holds its 2): it waits, no reply yet
-    assert not replies
+    assert not opened
     store.release(held[0])  # a session of the client's ends
     waiting.join(10)
-    assert not waiting.is_alive() and replies[0].status.code == 0 and replies[0].opened.session_id
+    assert not waiting.is_alive() and opened[0].session_id
 
 
 def test_a_waiting_generate_gives_up_at_its_deadline_with_the_refusal():
@@ -177,16 +172,14 @@ def test_a_waiting_generate_gives_up_at_its_deadline_with_the_refusal():
     from types import SimpleNamespace
 
     from dspark_grpc.protos.dspark.v1 import target_pb2
-    from dspark_grpc.serving.server import run_session_op
-    from dspark_grpc.target_service.servicer import _InProcessTarget
+    from dspark_grpc.speculation.errors import ResourceExhausted
+    from dspark_grpc.target_service.servicer import GenerateSteps
 
     store = SessionStore(1, 600.0)
     store.create("held", Owner("peer:a"))
-    servicer = SimpleNamespace(engine=SimpleNamespace(sessions=store))
-    servicer.ready_engine = lambda: servicer.engine
-    servicer.handle = lambda request, owner: run_session_op(
-        lambda r, o: dict(opened=target_pb2.SessionOpened(session_id=store.create("new", o))), request, owner,
-        target_pb2.TargetSessionResponse)
-    target = _InProcessTarget(servicer, Owner("peer:b"), deadline=time.monotonic() - 1)  # already past
-    reply = target.call(target_pb2.TargetSessionRequest(open=target_pb2.OpenSession()))
-    assert reply.status.code == 8 and "too many live sessions" in reply.status.message
+    steps = SimpleNamespace(ready_engine=lambda: SimpleNamespace(sessions=store),
+                            open=lambda m, owner: target_pb2.SessionOpened(session_id=store.create("new", owner)))
+    target = GenerateSteps(steps, Owner("peer:b"), deadline=time.monotonic() - 1)  # already past
+    with pytest.raises(ResourceExhausted) as refused:
+        target.open(target_pb2.OpenSession())
+    assert "too many live sessions" in refused.value.message

@@ -143,24 +143,26 @@ def test_client_sdk_does_not_import_torch():
 
 
 @pytest.mark.parametrize("module", ["dspark_grpc.target_service.cli", "dspark_grpc.draft_service.cli"])
-def test_service_cli_sets_the_openmp_spin_count_before_torch_loads(module):
-    # libgomp reads GOMP_SPINCOUNT once, when torch loads it: the service's own import must set it first, and a value
-    # the user exported must win.
+def test_service_cli_sets_the_openmp_settings_before_torch_loads(module):
+    # libgomp reads GOMP_SPINCOUNT and OMP_WAIT_POLICY once, when torch loads it: the service's own import must set
+    # them first, and values the user exported must win.
     code = (f"import os; import {module}; from dspark_grpc.serving import openmp; "
-            "print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)")
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+            "print(os.environ['GOMP_SPINCOUNT'], os.environ['OMP_WAIT_POLICY'], openmp.BEFORE_TORCH)")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     from dspark_grpc.serving.openmp import SPIN_COUNT
 
-    assert out.stdout.split() == [SPIN_COUNT, "True"]
+    assert out.stdout.split() == [SPIN_COUNT, "ACTIVE", "True"]
 
 
-def test_a_spin_count_the_user_exported_wins():  # serving/openmp.py, which both service CLIs import first
-    code = "import os; from dspark_grpc.serving import openmp; print(os.environ['GOMP_SPINCOUNT'], openmp.BEFORE_TORCH)"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GOMP_SPINCOUNT": "123"}, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["123", "True"], out.stderr
+def test_openmp_settings_the_user_exported_win():  # serving/openmp.py, which both service CLIs import first
+    code = ("import os; from dspark_grpc.serving import openmp; "
+            "print(os.environ['GOMP_SPINCOUNT'], os.environ['OMP_WAIT_POLICY'], openmp.BEFORE_TORCH)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GOMP_SPINCOUNT": "123",
+                                                            "OMP_WAIT_POLICY": "PASSIVE"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["123", "PASSIVE", "True"], out.stderr
 
 
 def test_draft_service_defaults_to_one_torch_thread():

@@ -63,8 +63,10 @@ def main(source: str, drafters: list[str]) -> None:
         vocab = DraftVocab.from_d2t(drafter.d2t, c.vocab_size) if drafter.d2t is not None else DraftVocab.full(
             c.vocab_size)
         result, _ = evaluate(drafter, sequences, TrainSettings(eval_anchors=anchors), vocab.t2d)
+        decoded = "" if result.decoded_length is None else \
+            f"; walked as greedy decoding visits positions: {result.decoded_length:.3f} tokens per step"
         print(f"{drafter_path}: acceptance length {result.acceptance_length:.3f}, per position "
-              f"{[round(x, 3) for x in result.per_position]} ({result.anchors} chains)")
+              f"{[round(x, 3) for x in result.per_position]} ({result.anchors} chains){decoded}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from dspark_grpc.runtime.drafting.acceptance import draft_sparse_distribution
 from dspark_grpc.runtime.drafting.sampling import multinomial
+from dspark_grpc.runtime.models.linear import Linear
 from dspark_grpc.runtime.models.transformer import Embedding
 from dspark_grpc.speculation.wire import AUTO, FUSED, TORCH
 from torch import Tensor, nn
@@ -29,7 +30,7 @@ class MarkovHead(nn.Module):
             raise ValueError(f"markov head kind must be one of {MARKOV_KINDS}, got {kind!r}")
         self.kind, self.rank, self.hidden_size = kind, rank, hidden_size
         self.w1 = Embedding(target_vocab, rank)
-        self.w2 = nn.Linear(rank, draft_vocab, bias=False)
+        self.w2 = Linear(rank, draft_vocab, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden_size + rank, rank)
         elif kind == "rnn":
@@ -63,9 +64,16 @@ class MarkovHead(nn.Module):
         """W2 · v [A, V_d] fp32 for v [A, r] from markov_step(prev [A]) (prev is the cache's key, see
         cache_biases; `cached` False: computed, as a traced graph must)."""
         if not cached or self._biases is None:
-            return F.linear(v, self.w2.weight.float())
+            return self._times_w2(v)
         rows = [self._cached_bias(v, i, token) for i, token in enumerate(prev.tolist())]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def _times_w2(self, v: Tensor) -> Tensor:
+        """W2 · v in fp32: on W2's Q8_0 blocks where runtime/models/linear.py:quantize_linears gave it some (the
+        fast precision on the CPU: a quarter of fp32's bytes to read each chain step), else in fp32."""
+        if self.w2.blocks is not None:
+            return self.w2(v.float())
+        return F.linear(v, self.w2.weight.float())
 
     def _cached_bias(self, v: Tensor, i: int, token: int) -> Tensor:
         with self._biases_lock:
@@ -73,7 +81,7 @@ class MarkovHead(nn.Module):
             if row is not None:
                 self._biases.move_to_end(token)
                 return row
-        row = F.linear(v[i : i + 1], self.w2.weight.float())  # [1, V_d]
+        row = self._times_w2(v[i : i + 1])  # [1, V_d]
         with self._biases_lock:
             self._biases[token] = row
             if len(self._biases) > self._biases_capacity:

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from dspark_grpc.runtime.drafting.markov import Chain, chain_confidences, greedy_chains
-from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, compile_ahead, load_step, model_tensors
+from dspark_grpc.runtime.kernels.compiled_step import (
+    COMPILE_MODES,
+    compile_ahead,
+    load_step,
+    model_tensors,
+    vector_isa,
+)
 from dspark_grpc.runtime.models.drafter import BlockKV
 from dspark_grpc.runtime.models.linear import Linear
 from dspark_grpc.runtime.models.transformer import Segment
@@ -76,7 +82,7 @@ def artifact_key(drafter: Drafter, mode: str) -> str:
     """What a compiled chain depends on besides the weights' values."""
     h = hashlib.sha256()
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-             repr(drafter.config), str(drafter.dtype), mode]
+             vector_isa(), repr(drafter.config), str(drafter.dtype), mode]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in drafter.state_dict(keep_vars=True).items()]
     parts += [f"{type(t).__name__}:{tuple(t.shape)}:{t.dtype}" for t in model_tensors(drafter)]  # packed, quantized
     for part in parts:

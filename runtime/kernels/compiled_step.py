@@ -162,12 +162,28 @@ def resolve_compile_mode(mode: str, precision: str, on_cpu: bool) -> tuple[str, 
     return mode, why
 
 
+@functools.cache
+def vector_isa() -> str:
+    """The vector instruction set inductor writes the graphs' C++ kernels for ("" for none: scalar code, several
+    times slower). Part of a saved graph's key: inductor decides it by building and loading a probe in a child
+    Python (which, e.g., a module on the path shadowing a standard one breaks), and a graph compiled while that
+    failed must not be the one every later start loads."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa and platform.machine() in ("x86_64", "AMD64"):
+        print("[dspark] inductor found no usable vector instruction set on this x86 CPU (its probe failed to build or "
+              "load): compiled graphs run scalar code, several times slower; check for a module that shadows a "
+              "standard one on the Python path", file=sys.stderr, flush=True)
+    return str(isa) if isa else ""
+
+
 def artifact_key(model: Transformer, mode: str = "fast") -> str:
     """What a compiled step depends on besides the weights' values: a saved step with another key is not used."""
     h = hashlib.sha256()
     matmul = type(model.layers[0].attention.qkv.quantized).__name__  # the GGUF block kernel or torch's int4
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-             repr(model.config), str(model.dtype), mode, matmul]
+             vector_isa(), repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     if matmul == "BlockWeight":  # cpu_kernels.py's signatures (not their code: the graph calls them by name)
         parts += [str(op.default._schema) for op in (torch.ops.dspark.gguf_matmul, torch.ops.dspark.row_attention)]

@@ -33,9 +33,12 @@ from dspark_grpc.runtime.progress import still_working
 from dspark_grpc.speculation.cost_table import default_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_matmul.cpp", "row_attention.cpp"))
+# attention's float sums may fuse a multiply and an add (one instruction sequence for every row all the same); the
+# matmul's float steps stay as written (llama.cpp's arithmetic)
+SOURCE_FLAGS = {"gguf_matmul.cpp": ("-ffp-contract=off",), "row_attention.cpp": ("-ffp-contract=fast",)}
 # DSPARK_CPU_MARCH: the -march to build for (default native; x86-64-v3 builds the AVX2 path on an AVX-512 CPU)
 FLAGS = ("-O3", "-std=c++20", "-fPIC", "-shared", f"-march={os.environ.get('DSPARK_CPU_MARCH', 'native')}",
-         "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG", "-ffp-contract=off")
+         "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG")
 ROWS = 16  # gguf_matmul's output rows side by side (runtime/kernels/quant.py: interleave_rows lays the weights out)
 
 
@@ -50,7 +53,7 @@ def _cpu_flags() -> str:
 
 def _library_path(cache_dir: Path) -> Path:
     h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
-    for part in (torch.__version__, sys.version, " ".join(FLAGS), _cpu_flags()):
+    for part in (torch.__version__, sys.version, " ".join(FLAGS), repr(SOURCE_FLAGS), _cpu_flags()):
         h.update(part.encode())
     return cache_dir / f"cpu_kernels-{h.hexdigest()[:16]}.so"
 
@@ -67,8 +70,8 @@ def _build(target: Path) -> None:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         print("[dspark] building the CPU kernels (once per machine)...", file=sys.stderr, flush=True)
         # one g++ per source, side by side (torch's headers are most of each one's time)
-        builds = [subprocess.Popen(["g++", *compile_flags, "-c", str(source), "-o", str(obj)], text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        builds = [subprocess.Popen(["g++", *compile_flags, *SOURCE_FLAGS[source.name], "-c", str(source), "-o",
+                                    str(obj)], text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                   for source, obj in zip(SOURCES, objects, strict=True)]
         with still_working("building the CPU kernels", every_s=15.0):
             for build in builds:

@@ -93,6 +93,15 @@ struct Output {
   }
 };
 
+// The same block of the next group of outputs, into L1 ahead of its tile: the thread's next group (parallel_for gives
+// each thread consecutive groups), so its weights stream in while this group's rows compute. (A prefetch past the
+// end does not fault.)
+template <int64_t QT>
+inline void prefetch_next_group(const Weights& w, int64_t g, int64_t b) {
+  const char* next = reinterpret_cast<const char*>(w.codes + ((g + 1) * w.nb + b) * code_bytes(QT));
+  for (int64_t line = 0; line < code_bytes(QT); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+}
+
 inline int32_t four_codes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -102,7 +111,7 @@ inline int32_t four_codes(const int8_t* p) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // AVX-512 VNNI: a register = 16 rows x 4 codes; vpdpbusd multiplies u8 weights by s8 activations. Q8 weights become
 // u8 as q + 128, the excess removed exactly by starting the integer sum at -128 * (the block's activation codes).
-constexpr int MAX_RT = 4;
+constexpr int MAX_RT = 8;
 
 template <int64_t QT, int RT>
 void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_t r0, const Output& out) {
@@ -111,6 +120,7 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
   for (int r = 0; r < RT; ++r) acc[r] = acc_m[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = w.codes + (g * nb + b) * code_bytes(QT);
+    prefetch_next_group<QT>(w, g, b);
     __m512i wv[8];
     if constexpr (is_q4(QT)) {
       const __m512i low = _mm512_set1_epi8(0x0F);
@@ -166,6 +176,7 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
     for (int r = 0; r < RT; ++r) acc[r] = acc_m[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* c = w.codes + (g * nb + b) * code_bytes(QT);
+      if (h == 0) prefetch_next_group<QT>(w, g, b);
       __m256i wv[8];
       if constexpr (is_q4(QT)) {
         const __m256i low = _mm256_set1_epi8(0x0F);

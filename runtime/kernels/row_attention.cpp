@@ -1,7 +1,9 @@
 // Attention for the compiled step's rows (runtime/kernels/compiled_step.py): first every row's new key and value are written
 // into its slot of the layer's K/V store (in place: as a mutation the graph's own index writes made inductor copy
-// the store), then each row's query heads attend to the first C rows of its slot, masked by its mask row, in
-// float32. A row is computed the same way whatever the other rows (batch invariance); keys are read in place.
+// the store), then each row's query heads attend to the first C rows of its slot, masked by its mask row: scores as
+// bf16 dot products summed in float32 (vdpbf16ps where the CPU has AVX-512 BF16, else float32 products), softmax and
+// the values' weighted sum in float32. A row is computed the same way whatever the other rows (batch invariance);
+// keys are read in place.
 //
 // o[r, h] = sum_c softmax_c(q[r, h] . k[slot[r], h / G, c] / sqrt(D) | mask[r, c]) v[slot[r], h / G, c], G = H / KV.
 // Built with runtime/kernels/gguf_matmul.cpp by runtime/kernels/cpu_kernels.py, registered as torch.ops.dspark.row_attention.
@@ -10,6 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -32,6 +36,11 @@ typedef float fvec __attribute__((vector_size(LANES * 4)));
 typedef int32_t ivec __attribute__((vector_size(LANES * 4)));
 typedef uint16_t hvec __attribute__((vector_size(LANES * 2)));
 typedef uint32_t uvec __attribute__((vector_size(LANES * 4)));
+#ifdef __AVX512BF16__
+constexpr bool HAVE_BF16_DOT = true;  // vdpbf16ps: pairs of bf16 products summed into float32 lanes
+#else
+constexpr bool HAVE_BF16_DOT = false;
+#endif
 
 inline fvec load_bf16(const at::BFloat16* p) {
   hvec h;
@@ -96,25 +105,54 @@ inline fvec exp_nonpositive(fvec x) {
 }
 
 // One row and one key/value head: its G query heads at once (each key and value read once for them), LANES keys at
-// a time. Masked keys get probability 0.
+// a time. Masked keys get probability 0. GT and CT, when not 0, are G and D / LANES known when it is compiled: the
+// loops over heads and channels unroll and the queries and accumulators stay in registers (the same arithmetic).
+template <int64_t GT, int64_t CT>
 void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const bool* mask, int64_t C,
-            int64_t G, int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores) {
-  const int64_t chunks = D / LANES, blocks = (C + LANES - 1) / LANES;
-  fvec qf[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS] = {};
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < chunks; ++j) qf[g][j] = load_bf16(q + g * D + j * LANES) * scale;
+            int64_t G_run, int64_t D_run, float scale, at::BFloat16* out, std::vector<float>& scores) {
+  constexpr int64_t GM = GT ? GT : MAX_GROUP, CM = CT ? CT : MAX_CHUNKS;
+  const int64_t G = GT ? GT : G_run, chunks = CT ? CT : D_run / LANES, D = chunks * LANES;
+  const int64_t blocks = (C + LANES - 1) / LANES;
+  // With vdpbf16ps (a head size compiled in, an even number of chunks) the scores are bf16 dots of the raw query
+  // and key, scaled after; otherwise float32 products of the scaled query and the key.
+  constexpr bool BF16_DOT = HAVE_BF16_DOT && CT != 0 && CT % 2 == 0;
+  fvec qf[GM][CM], acc[GM][CM] = {};
+#ifdef __AVX512BF16__
+  __m512bh qb[GM][CM / 2];
+  if constexpr (BF16_DOT)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < chunks / 2; ++j) qb[g][j] = (__m512bh)_mm512_loadu_si512(q + g * D + j * 2 * LANES);
+#endif
+  if constexpr (!BF16_DOT)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < chunks; ++j) qf[g][j] = load_bf16(q + g * D + j * LANES) * scale;
+  const float score_scale = BF16_DOT ? scale : 1.f;
   scores.resize(G * blocks * LANES);
-  fvec best[MAX_GROUP], sums[MAX_GROUP];  // per head: each lane's largest score; the probabilities' sum
+  fvec best[GM], sums[GM];
+  int64_t dense = 0;  // keys 0 .. dense - 1 are all seen
+  while (dense < C && mask[dense]) ++dense;  // per head: each lane's largest score; the probabilities' sum
   for (int64_t g = 0; g < G; ++g) best[g] = splat(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < blocks; ++b) {
-    fvec dots[MAX_GROUP][LANES];
+    fvec dots[GM][LANES];
     for (int64_t l = 0; l < LANES; ++l) {
       const int64_t c = b * LANES + l;
       if (c >= C || !mask[c]) {
         for (int64_t g = 0; g < G; ++g) dots[g][l] = fvec{};
         continue;
       }
-      fvec kf[MAX_CHUNKS];
+#ifdef __AVX512BF16__
+      if constexpr (BF16_DOT) {
+        __m512bh kb[CM / 2];
+        for (int64_t j = 0; j < chunks / 2; ++j) kb[j] = (__m512bh)_mm512_loadu_si512(k + c * D + j * 2 * LANES);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+          for (int64_t j = 1; j < chunks / 2; ++j) dot = _mm512_dpbf16_ps(dot, qb[g][j], kb[j]);
+          dots[g][l] = (fvec)dot;
+        }
+        continue;
+      }
+#endif
+      fvec kf[CM];
       for (int64_t j = 0; j < chunks; ++j) kf[j] = load_bf16(k + c * D + j * LANES);
       for (int64_t g = 0; g < G; ++g) {
         fvec dot = qf[g][0] * kf[0];
@@ -125,7 +163,7 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
     ivec live;
     for (int64_t l = 0; l < LANES; ++l) live[l] = b * LANES + l < C && mask[b * LANES + l] ? -1 : 0;
     for (int64_t g = 0; g < G; ++g) {
-      const fvec s = live ? lane_sums(dots[g]) : splat(-std::numeric_limits<float>::infinity());
+      const fvec s = live ? lane_sums(dots[g]) * score_scale : splat(-std::numeric_limits<float>::infinity());
       std::memcpy(&scores[(g * blocks + b) * LANES], &s, sizeof(s));
       best[g] = best[g] > s ? best[g] : s;
     }
@@ -141,17 +179,41 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
     }
     // The probabilities' sum, each in the lane of its key's rank among the seen keys (not of its slot): a tree row
     // whose ancestors sit among masked rows then sums exactly as the AR step that sees them side by side.
-    float ranked[LANES] = {};
-    for (int64_t c = 0, n = 0; c < C; ++c)
-      if (mask[c]) ranked[n++ % LANES] += scores[g * blocks * LANES + c];
+    // Over the mask's leading run of seen keys (the committed context) a key's rank is its slot: whole blocks of it
+    // add as vectors, lane by lane in the same order.
+    const float* sg = &scores[g * blocks * LANES];
+    fvec ranked_blocks = {};
+    for (int64_t b = 0; b < dense / LANES; ++b) {
+      fvec p;
+      std::memcpy(&p, sg + b * LANES, sizeof(p));
+      ranked_blocks += p;
+    }
+    float ranked[LANES];
+    std::memcpy(ranked, &ranked_blocks, sizeof(ranked));
+    for (int64_t c = dense / LANES * LANES, n = c; c < C; ++c)
+      if (mask[c]) ranked[n++ % LANES] += sg[c];
     fvec one[LANES] = {};
     std::memcpy(&one[0], ranked, sizeof(ranked));
     sums[g] = splat(lane_sums(one)[0]);
   }
+  // With a head size compiled in, a value row's 2 * LANES bf16 channels become two vectors with one operation each:
+  // the even channels (shifted up) and the odd ones (masked); acc[g][2i] and acc[g][2i + 1] then hold the even and
+  // odd channels of 2 * LANES * i onward (the same products in the same order, channels placed apart).
+  constexpr bool PAIRED = CT != 0 && CT % 2 == 0;
   for (int64_t c = 0; c < C; ++c) {
     if (!mask[c]) continue;
-    fvec vf[MAX_CHUNKS];
-    for (int64_t j = 0; j < chunks; ++j) vf[j] = load_bf16(v + c * D + j * LANES);
+    fvec vf[CM];
+    if constexpr (PAIRED) {
+      for (int64_t j = 0; j < chunks; j += 2) {
+        uvec raw;
+        std::memcpy(&raw, v + c * D + j * LANES, sizeof(raw));
+        const uvec even = raw << 16, odd = raw & 0xFFFF0000u;
+        std::memcpy(&vf[j], &even, sizeof(fvec));
+        std::memcpy(&vf[j + 1], &odd, sizeof(fvec));
+      }
+    } else {
+      for (int64_t j = 0; j < chunks; ++j) vf[j] = load_bf16(v + c * D + j * LANES);
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * blocks * LANES + c];
       for (int64_t j = 0; j < chunks; ++j) acc[g][j] += p * vf[j];
@@ -162,8 +224,39 @@ void attend(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
     for (int64_t j = 0; j < chunks; ++j) {
       const fvec r = acc[g][j] / sums[g];
       std::memcpy(o, &r, sizeof(o));
-      for (int64_t l = 0; l < LANES; ++l) out[g * D + j * LANES + l] = at::BFloat16(o[l]);
+      for (int64_t l = 0; l < LANES; ++l) {
+        const int64_t channel = PAIRED ? (j - j % 2) * LANES + 2 * l + j % 2 : j * LANES + l;
+        out[g * D + channel] = at::BFloat16(o[l]);
+      }
     }
+  }
+}
+
+using AttendFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const bool*, int64_t,
+                          int64_t, int64_t, float, at::BFloat16*, std::vector<float>&);
+
+template <int64_t CT>
+AttendFn attend_for_group(int64_t G) {
+  switch (G) {
+    case 1: return attend<1, CT>;
+    case 2: return attend<2, CT>;
+    case 3: return attend<3, CT>;
+    case 4: return attend<4, CT>;
+    case 5: return attend<5, CT>;
+    case 6: return attend<6, CT>;
+    case 7: return attend<7, CT>;
+    case 8: return attend<8, CT>;
+    default: return attend<0, 0>;
+  }
+}
+
+// Head dimensions 64 and 128 (4 or 8 registers a head with AVX-512, 8 or 16 with AVX2) and up to 8 query heads per
+// key/value head compiled for their sizes; others at run time.
+AttendFn attend_for(int64_t G, int64_t chunks) {
+  switch (chunks * LANES) {
+    case 64: return attend_for_group<64 / LANES>(G);
+    case 128: return attend_for_group<128 / LANES>(G);
+    default: return attend<0, 0>;
   }
 }
 
@@ -203,13 +296,14 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const bool* mp = mc.data_ptr<bool>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const AttendFn attend_one = attend_for(G, D / LANES);
   at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / KV, kv = i % KV;
       const int64_t base = (slot[r] * KV + kv) * CAP * D;
-      attend(qp + (r * H + kv * G) * D, kp + base, vp + base, mp + r * C, C, G, D, scale, op + (r * H + kv * G) * D,
-             scores);
+      attend_one(qp + (r * H + kv * G) * D, kp + base, vp + base, mp + r * C, C, G, D, scale,
+                 op + (r * H + kv * G) * D, scores);
     }
   });
   return out;

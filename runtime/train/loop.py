@@ -8,6 +8,11 @@ held-out sequences the target generated greedily, so "draft k equals the target'
 greedy speculative step's acceptance. per_position[k] = P(the first k + 1 drafts are accepted), i.e. accepted /
 drafted at depth k + 1 for full chains (vLLM's per-position acceptance); acceptance_length = 1 + mean accepted
 drafts (tokens per target step, bonus included).
+
+acceptance_length weighs every anchor alike. Decoding visits fewer anchors where drafts are accepted (a step covers
+several positions) and more where they are not, so when easy and hard stretches alternate the tokens per step it
+reaches are lower. Where the held-out anchors cover every position of a sequence, `decoded_length` walks them as
+decoding does (model.decoded_steps): the tokens per step a greedy speculative run with whole chains would reach.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from dspark_grpc.runtime.train.losses import LossTerms, LossWeights, dspark_loss
 from dspark_grpc.runtime.train.model import (
     AnchorBatch,
     accepted_lengths,
+    anchor_range,
     confidence_logits,
     corrected_logits,
+    decoded_steps,
     forward_blocks,
     greedy_chains,
     make_batch,
@@ -81,6 +88,7 @@ class EvalResult:
     conditional: list[float]  # P(draft k accepted | drafts < k accepted)
     acceptance_length: float  # 1 + mean accepted drafts
     survival_ece: list[float]  # of the confidence head's survival, current temperatures
+    decoded_length: float | None = None  # tokens per step as decoding visits anchors (None: anchors not dense)
 
     def line(self) -> str:
         fmt = " ".join
@@ -88,7 +96,8 @@ class EvalResult:
                 f"per-position [{fmt(f'{x:.3f}' for x in self.per_position)}], conditional "
                 f"[{fmt(f'{x:.3f}' for x in self.conditional)}], c* [{fmt(f'{x:.3f}' for x in self.soft_acceptance)}]"
                 f", loss {self.loss:.4f} (ce {self.ce:.3f} tv {self.tv:.3f} kl {self.kl:.3f} bce {self.bce:.3f}), "
-                f"survival ECE [{fmt(f'{x:.3f}' for x in self.survival_ece)}]")
+                f"survival ECE [{fmt(f'{x:.3f}' for x in self.survival_ece)}]"
+                + ("" if self.decoded_length is None else f", as decoded {self.decoded_length:.3f}"))
 
 
 @dataclass
@@ -143,7 +152,7 @@ def evaluate(drafter: Drafter, sequences: Sequence[TargetSequence], settings: Tr
     t2d = t2d.to(device)
     greedy = [s for s in sequences if s.mode == "greedy"]
     sums = torch.zeros(5, dtype=torch.float64)
-    soft, conf, accepted, seq_index = [], [], [], []
+    soft, conf, accepted, seq_index, positions = [], [], [], [], []
     count = 0
     for begin in range(0, len(greedy), settings.eval_batch):
         chunk = greedy[begin: begin + settings.eval_batch]
@@ -164,9 +173,11 @@ def evaluate(drafter: Drafter, sequences: Sequence[TargetSequence], settings: Tr
         soft.append(terms.soft_acceptance.cpu())
         conf.append((torch.zeros(A, K) if chain_conf is None else chain_conf).cpu())
         seq_index.append(batch.anchor_seq.cpu() + begin)
+        positions.append(batch.anchor_pos.cpu())
     if count == 0:
         raise ValueError("no held-out sequence is long enough for a full block")
     acc = torch.cat(accepted)
+    decoded = _decoded_length(greedy, torch.cat(seq_index), torch.cat(positions), acc, K)
     per_position = [float((acc >= k + 1).double().mean()) for k in range(K)]
     conditional = [per_position[0]] + [b / a if a > 0 else 0.0 for a, b in zip(per_position, per_position[1:],
                                                                                   strict=False)]
@@ -175,8 +186,24 @@ def evaluate(drafter: Drafter, sequences: Sequence[TargetSequence], settings: Tr
     ece = survival_ece(chains.confidence_logits, acc, None if temps is None else _pad(temps, K))
     loss, ce, tv, kl, bce = (sums / count).tolist()
     result = EvalResult(step, count, loss, ce, tv, kl, bce, torch.cat(soft).mean(0).tolist(), per_position,
-                        conditional, 1.0 + float(acc.double().mean()), ece)
+                        conditional, 1.0 + float(acc.double().mean()), ece, decoded)
     return result, chains
+
+
+def _decoded_length(sequences: Sequence[TargetSequence], seq_index: Tensor, positions: Tensor, accepted: Tensor,
+                    num_drafts: int) -> float | None:
+    """Tokens per step over the sequences whose every anchor (full blocks) was evaluated, walked as decoding
+    visits them; None when no sequence was covered."""
+    by_seq: dict[int, dict[int, int]] = {}
+    for i, p, a in zip(seq_index.tolist(), positions.tolist(), accepted.tolist(), strict=True):
+        by_seq.setdefault(i, {})[p] = a
+    tokens = steps = 0
+    for i, accepted_at in by_seq.items():
+        first, last = anchor_range(sequences[i], num_drafts, full_blocks=True)
+        if len(accepted_at) == last - first + 1:
+            t, s = decoded_steps(accepted_at, first, last)
+            tokens, steps = tokens + t, steps + s
+    return tokens / steps if steps else None
 
 
 def _pad(temps: Sequence[float], n: int) -> list[float]:

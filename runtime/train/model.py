@@ -193,6 +193,18 @@ def accepted_lengths(drafted: Tensor, labels: Tensor, valid: Tensor) -> Tensor:
     return hit.long().cumprod(dim=1).sum(dim=1)
 
 
+def decoded_steps(accepted: dict[int, int], first: int, last: int) -> tuple[int, int]:
+    """(tokens, steps) of greedy speculative decoding over one sequence from anchor `first` on, where the chain
+    drafted at anchor p accepts accepted[p] drafts: that step commits accepted[p] + 1 tokens and the next one
+    drafts at p + accepted[p] + 1; it ends past `last`. Every anchor it visits must be in `accepted`."""
+    tokens = steps = 0
+    p = first
+    while p <= last:
+        a = accepted[p]
+        tokens, steps, p = tokens + a + 1, steps + 1, p + a + 1
+    return tokens, steps
+
+
 # -- initialisation ------------------------------------------------------------------------------------------------
 
 _LAYER_TENSORS = ("attention_norm.weight", "ffn_norm.weight", "attention.wq.weight", "attention.wk.weight",

@@ -267,20 +267,35 @@ def _submit_all_named(batcher: StepBatcher, jobs: list[str]) -> tuple[dict, list
     return results, threads
 
 
-def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
-    # A fake clock: every forward "takes" 1000 s, so the gather window (0.25 x the last forward) is far longer than
-    # any scheduling delay of this machine, and what the batches hold does not depend on its speed.
+def _batcher_on_a_slow_fake_clock() -> tuple[StepBatcher, list[list[str]]]:
+    """A batcher of (session, step) jobs whose every forward "takes" 1000 s on a fake clock, so the gather window
+    (0.25 x the last forward) is far longer than any scheduling delay of this machine, and what the batches hold does
+    not depend on its speed; and the sessions of each batch it ran."""
     now = [0.0]
-    batches, release = [], threading.Event()
+    batches: list[list[str]] = []
 
     def run_batch(jobs: list[tuple[str, int]]) -> list[int]:
         batches.append(sorted(name for name, _ in jobs))
         now[0] += 1000.0
         return [0] * len(jobs)
 
-    batcher = StepBatcher(run_batch, max_rows=8, session=lambda job: job[0], clock=lambda: now[0])
+    return StepBatcher(run_batch, max_rows=8, session=lambda job: job[0], clock=lambda: now[0]), batches
+
+
+def _start_while_held(batcher: StepBatcher, threads: list[threading.Thread], queued: int) -> None:
+    """Start `threads` while the worker is held, and let it go once `queued` jobs wait: they run as one batch."""
+    release = threading.Event()
     blocker = threading.Thread(target=batcher.call, args=(lambda: release.wait(10),))
     blocker.start()
+    for t in threads:
+        t.start()
+    _wait_queued(batcher, queued)
+    release.set()
+    blocker.join(10)
+
+
+def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
+    batcher, batches = _batcher_on_a_slow_fake_clock()
 
     def session(name: str, delay: float) -> None:
         for step in range(3):
@@ -288,16 +303,59 @@ def test_step_batcher_waits_for_a_late_session_instead_of_splitting_the_batch():
             threading.Event().wait(delay)  # "c" answers its client later than the others
 
     threads = [threading.Thread(target=session, args=(n, d)) for n, d in (("a", 0), ("b", 0), ("c", 0.05))]
+    _start_while_held(batcher, threads, 3)
     for t in threads:
-        t.start()
-    _wait_queued(batcher, 3)
-    release.set()
-    for t in [blocker, *threads]:
         t.join(10)
     batcher.close()
     assert batches == [["a", "b", "c"]] * 3
 
 
+def test_step_batcher_does_not_wait_for_a_session_that_is_away():
+    # "b" stepped in the last batch, so the next one would wait up to 0.25 x 1000 s (fake clock) for it; marked away
+    # (waiting for its drafter) it is not waited for, until it queues again
+    batcher, batches = _batcher_on_a_slow_fake_clock()
+    first = [threading.Thread(target=batcher.submit, args=((n, 0),)) for n in "ab"]
+    _start_while_held(batcher, first, 2)
+    for t in first:
+        t.join(10)
+    assert batches == [["a", "b"]]
+    batcher.away("b")
+    alone = threading.Thread(target=batcher.submit, args=(("a", 1),))
+    alone.start()
+    alone.join(30)
+    assert not alone.is_alive() and batches[-1] == ["a"]
+    batcher.away("a")  # (else "b" alone would now wait for "a", of the last batch)
+    batcher.submit(("b", 1))  # back: away no more
+    assert batches[-1] == ["b"] and "b" not in batcher._away
+    batcher.close()
+
+
+def test_a_long_computation_on_the_worker_lets_a_session_that_just_stepped_in_first():
+    # `wait_for_return` between two slices of a prompt chunk: a session of the last batch that queues its next job
+    # within the bound ends the wait (True: the chunk lets it run first). Fake clock: each batch "takes" 1000 s.
+    now = [0.0]
+
+    def run_batch(jobs: list[str]) -> list[int]:
+        now[0] += 1000.0
+        return [0] * len(jobs)
+
+    batcher = StepBatcher(run_batch, session=lambda job: job, clock=lambda: now[0])
+    batcher.submit("a")
+    came_back = threading.Thread(target=batcher.submit, args=("a",))
+
+    def slice_start() -> bool:
+        came_back.start()  # queued behind this call: the worker is busy with it
+        return batcher.wait_for_return(within_s=600.0)
+
+    assert batcher.call(slice_start) is True
+    came_back.join(10)
+    assert batcher.call(lambda: batcher.wait_for_return(0.05)) is False  # nobody came back within the bound
+    now[0] += 5000.0  # the last batch ended longer ago than it took: no wait at all
+    waited = threading.Thread(target=lambda: batcher.call(lambda: batcher.wait_for_return(600.0)))
+    waited.start()
+    waited.join(60)
+    assert not waited.is_alive()
+    batcher.close()
 
 
 def test_step_batcher_waits_for_expected_sessions_and_not_for_one_unexpected():

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from unittest import mock
 
 import gguf
 import pytest
 import torch
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
-from dspark_grpc.runtime.kernels.compiled_step import CompiledStep, artifact_key, load_step, save_step
+from dspark_grpc.runtime.kernels.compiled_step import CompiledStep, artifact_key, load_step, save_step, vector_isa
 from dspark_grpc.runtime.kernels.quant import int4_available
 from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.models.slot_cache import SlotCache
@@ -20,6 +21,7 @@ from dspark_grpc.serving import engine_bench
 from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 from test_batch_invariance import TREE_AR_STEPS, assert_verifies_equal_ar_steps, quantized, tree_of
+from torch._inductor import cpu_vec_isa
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 Q = gguf.GGMLQuantizationType
@@ -136,6 +138,12 @@ def test_a_saved_step_is_used_only_by_the_model_it_was_traced_for(models, tiny_h
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen3"])) == artifact_key(compiled)
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen2"])) != artifact_key(compiled)  # q/k bias, no norms
     assert artifact_key(compiled, "max") != artifact_key(compiled, "fast")  # another wrapper: another artifact
+    # a graph compiled while inductor found no vector instruction set (scalar kernels) is another artifact
+    vector_isa.cache_clear()
+    with mock.patch("torch._inductor.cpu_vec_isa.pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa):
+        scalar_key = artifact_key(compiled)
+    vector_isa.cache_clear()
+    assert scalar_key != artifact_key(compiled)
     assert CompiledStep(compiled, tmp_path, "max").path != compiled.compiled.path
     garbage = tmp_path / "step.bin"
     garbage.write_bytes(b"not a compiled step")

@@ -62,11 +62,11 @@ def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
     blocks = quantized(torch.randn(*shape, generator=g) * 0.05, qtype)
     bias = torch.randn(shape[0], generator=g)
     weight = BlockWeight.of([blocks], bias=bias)
-    x = torch.randn(7, shape[1], generator=g)
+    x = torch.randn(13, shape[1], generator=g)  # a full tile of rows and a partial one
     x[0, :32] = 0  # an all-zero block (scale 0)
     expected = llama_cpp_reference(x, blocks) + bias.double()
     got = weight(x, out_dtype=torch.float32).double()
-    assert got.shape == (7, shape[0])
+    assert got.shape == (13, shape[0])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     exact = x.double() @ torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double().reshape(
         shape).T + bias.double()
@@ -127,9 +127,11 @@ def test_turned_off_it_leaves_torch_int4(monkeypatch):
 
 
 @needs_kernels
-def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot():
+@pytest.mark.parametrize(("H", "KV", "D"), [(6, 2, 64), (2, 2, 64), (8, 2, 128), (24, 2, 64)])
+def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot(H, KV, D):
+    # 3, 1 and 4 query heads per KV head are compiled for their sizes; 12 takes the loops sized at run time
     g = torch.Generator().manual_seed(7)
-    slots_count, KV, cap, D, H = 3, 2, 48, 64, 6
+    slots_count, cap = 3, 48
     k_store = torch.randn(slots_count, KV, cap, D, generator=g).bfloat16()
     v_store = torch.randn(slots_count, KV, cap, D, generator=g).bfloat16()
     R, C = 5, 40

@@ -83,6 +83,45 @@ def test_probes_compare_forwards_of_the_same_rows():
     assert governor.probes > 1 and governor.switches == 0  # later probes compare 1 row with 1 row, and lose
 
 
+def test_a_burst_of_slow_forwards_before_a_probe_does_not_move_the_forwards():
+    """A few slow forwards (another process's burst) raise the level of every thread count's recent forwards and
+    start a probe; the probe's forwards are paired with forwards of the other count run next to them, after the
+    burst, so two threads, still faster, stay."""
+    machine = FakeMachine({2: 0.010, 1: 0.012})
+    governor = governed(machine, min_interval_s=1.0, max_interval_s=60.0)
+    run(governor, machine, 3000)  # 30 s: probes now 8 s and more apart
+    probes = governor.probes
+    machine.seconds = {2: 0.030, 1: 0.036}  # a burst of three forwards
+    run(governor, machine, 3)
+    machine.seconds = {2: 0.010, 1: 0.012}
+    counts = run(governor, machine, 20)
+    assert governor.probes == probes + 1  # the burst probed one thread at once
+    assert governor.current == 2 and governor.switches == 0 and counts[-1] == 2
+
+
+def test_probe_forwards_alternate_between_the_counts():
+    machine = FakeMachine({2: 0.010, 1: 0.017})
+    governor = governed(machine, min_interval_s=1.0, probe_forwards=4)
+    run(governor, machine, 100)  # 1 s: the probe starts on the next forward
+    machine.calls.clear()
+    assert run(governor, machine, 9) == [1, 2, 1, 2, 1, 2, 1, 2, 2]  # four pairs, lost: back on two threads
+    assert governor.probes == 1 and governor.switches == 0
+
+
+def test_a_regular_mix_of_row_counts_still_pairs_every_bucket():
+    """Forwards of 1 and 4 rows in turn (two sessions, one verifying chains): a probe that took turns forward by
+    forward would run every 1-row forward on one count and every 4-row forward on the other, and never compare
+    them; pairs by bucket do, and a busy core still moves the forwards to one thread."""
+    machine = FakeMachine({2: 0.150, 1: 0.016})  # one core taken
+    governor = governed(machine, min_interval_s=1.0, probe_forwards=4)
+    for i in range(7):  # 1.05 s on two threads: the probe is due
+        governor.run(machine.forward, 1 + 3 * (i % 2))
+    assert governor.probes == 0
+    counts = [governor.run(machine.forward, 1 + 3 * (i % 2)) for i in range(8)]
+    assert counts == [1, 1, 2, 2, 1, 1, 2, 2]  # each bucket: its probed forward, then its current one
+    assert governor.current == 1 and governor.switches == 1
+
+
 def test_one_thread_or_disabled_never_changes_the_count():
     machine = FakeMachine({2: 0.150, 1: 0.016})
     for governor in (ThreadGovernor(1, machine.set_threads, clock=lambda: machine.now), governed(machine)):

@@ -32,5 +32,5 @@ def test_a_step_after_the_other_session_left_is_a_sample_at_one_session(fast_eng
     for _ in range(3):  # alone now, however recently the other one stepped
         ok(step=target_pb2.Step(session_id=a))
     ok(release=target_pb2.Release(session_id=a))
-    rates = {load: bucket.rates[AR].steps for load, bucket in servicer.chooser.buckets.items()}
+    rates = {load: bucket.rates[AR].steps for load, bucket in servicer.steps.chooser.buckets.items()}
     assert rates == {2: 3, 1: 3}, rates

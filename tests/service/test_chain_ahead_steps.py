@@ -5,6 +5,9 @@ round's plan verify one draft token per step. So the rest of every chain holds, 
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.serving.sessions import Owner
 from dspark_grpc.speculation.cost_table import CostKey, CostTable
@@ -68,22 +71,36 @@ def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2
     return tokens[:NEW_TOKENS], reports, positions, prompt_length
 
 
-def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_output_is_ars(fast_engine):
-    engine = fast_engine
+def ar_continuation(engine) -> tuple[list[int], dict[int, int]]:
+    """The engine's greedy AR tokens after PROMPT, and the same by position (zeros past them) for the oracle."""
     ar_servicer = TargetServicer(64 << 20)
     ar_servicer.engine = engine
     ar, _, _, prompt_length = run(ar_servicer, common_pb2.DECODE_MODE_AR)
     greedy = {prompt_length + i: t for i, t in enumerate(ar)}
-    greedy.update({prompt_length + len(ar) + i: 0 for i in range(CHAIN + 2)})  # past what the test compares
+    greedy.update({prompt_length + len(ar) + i: 0 for i in range(CHAIN + 2)})  # past what the tests compare
+    return ar, greedy
 
-    key = CostKey(kind="verify", model="test", lanes=1)
-    engine.cost_tables = [CostTable(key, [1, 2, 3, 16], [1.0, 1.0, 10.0, 20.0])]  # a 2nd draft token never pays
+
+def oracle_servicer(engine, greedy: dict[int, int]) -> tuple[TargetServicer, FakeStream, Drafter]:
+    """A servicer on `engine` whose drafter is the oracle of `greedy` (close its `rounds` after)."""
+    servicer = TargetServicer(64 << 20)
+    servicer.engine, stream = engine, FakeStream(proposal=oracle(greedy))
+    link = OracleLink(stream)
+    drafter = Drafter(link, DraftRounds(link, None, servicer.steps._round_drafted, servicer.steps._plan_round))
+    servicer.steps.drafters = DrafterPool("oracle", lambda address, _: drafter)
+    return servicer, stream, drafter
+
+
+# a 2nd draft token never pays
+A_TOKEN_A_STEP = [CostTable(CostKey(kind="verify", model="test", lanes=1), [1, 2, 3, 16], [1.0, 1.0, 10.0, 20.0])]
+
+
+def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_output_is_ars(fast_engine):
+    engine = fast_engine
+    ar, greedy = ar_continuation(engine)
+    engine.cost_tables = A_TOKEN_A_STEP
+    servicer, stream, drafter = oracle_servicer(engine, greedy)
     try:
-        servicer = TargetServicer(64 << 20)
-        servicer.engine, stream = engine, FakeStream(proposal=oracle(greedy))
-        link = OracleLink(stream)
-        drafter = Drafter(link, DraftRounds(link, None, servicer._round_drafted, servicer._plan_round))
-        servicer.drafters = DrafterPool("oracle", lambda address, _: drafter)
         spec, reports, positions, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION)
     finally:
         engine.cost_tables = []
@@ -98,3 +115,28 @@ def test_the_rest_of_an_accepted_chain_is_verified_without_a_round_and_the_outpu
     asked = {op.propose.anchor_position for rnd in stream.rounds for op in rnd.ops if op.WhichOneof("op") == "propose"}
     # the drafter was asked for exactly the steps not from a chain (and maybe, ahead, for one after the last)
     assert asked & set(positions) == {p for p, chained in zip(positions, from_chain, strict=True) if not chained}
+
+
+def test_generate_calls_the_step_engine_itself_and_its_output_is_ars(fast_engine, monkeypatch):
+    """Generate's loop steps through the step engine directly: no session op goes through the servicer's `handle`
+    (forbidden here), and its greedy speculative output is AR's."""
+    engine = fast_engine
+    ar, greedy = ar_continuation(engine)
+    servicer, stream, drafter = oracle_servicer(engine, greedy)
+    monkeypatch.setattr(servicer, "handle", lambda *args: pytest.fail("a session op went through handle"))
+
+    async def generate() -> tuple[list[int], common_pb2.GenerationStats]:
+        ids, stats = [], None
+        request = target_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                             mode=common_pb2.DECODE_MODE_SPECULATION)
+        async for reply in servicer.generation_stream(request, "test", None):
+            ids += reply.token_ids
+            stats = reply.stats if reply.HasField("stats") else stats
+        return ids, stats
+
+    try:
+        ids, stats = asyncio.run(generate())
+    finally:
+        drafter.rounds.close()
+    assert ids == ar and stats.speculative_steps > 0 and stats.draft_rounds > 0, stats
+    assert stats.acceptance_length > 1.5  # the oracle's drafts are accepted

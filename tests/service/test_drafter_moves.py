@@ -57,9 +57,10 @@ def test_a_session_moves_to_the_other_drafter_with_its_context_and_keeps_draftin
     second.info, info = None, second.info
     first = OracleLink(BreakingStream(3, lambda: setattr(second, "info", info), proposal=oracle(greedy)))
     first.address, second.address = "first:1", "second:1"
-    drafters = {link.address: Drafter(link, DraftRounds(link, None, servicer._round_drafted, servicer._plan_round))
+    steps = servicer.steps
+    drafters = {link.address: Drafter(link, DraftRounds(link, None, steps._round_drafted, steps._plan_round))
                 for link in (first, second)}
-    servicer.drafters = DrafterPool("first:1,second:1", lambda address, _: drafters[address])
+    servicer.steps.drafters = DrafterPool("first:1,second:1", lambda address, _: drafters[address])
     try:
         spec, reports, _, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION)
     finally:

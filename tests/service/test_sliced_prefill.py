@@ -5,6 +5,7 @@ queue that always has a step waiting, a slice budget of 0 s: half a layer per sl
 from __future__ import annotations
 
 import torch
+from dspark_grpc.target_service.engine import PREFILL_CHUNK_ROWS
 
 
 def prefill_once(engine, ids, capture_layers):
@@ -20,14 +21,14 @@ def prefill_once(engine, ids, capture_layers):
 
 def test_a_prompt_sliced_layer_by_layer_computes_what_it_computes_in_one_go(fast_engine, monkeypatch):
     engine = fast_engine
-    ids = [(i * 7919) % 40000 + 100 for i in range(300)]  # 3 chunks
+    ids = [(i * 7919) % 40000 + 100 for i in range(2 * PREFILL_CHUNK_ROWS + 44)]  # 3 chunks
     layers = [1, engine.model.config.num_layers - 2]
     whole = prefill_once(engine, ids, layers)
     before = engine.prefill_slices
     monkeypatch.setattr(engine.batcher, "queued", lambda: 1)
     monkeypatch.setattr(engine, "slice_seconds", lambda: 0.0)
     sliced = prefill_once(engine, ids, layers)
-    chunks = -(-len(ids) // 128)
+    chunks = 3
     # every half layer (token mixer, feed-forward) a slice of its own
     assert engine.prefill_slices - before == chunks * 2 * engine.model.config.num_layers
     assert sliced[0] == whole[0]

@@ -3,6 +3,7 @@ checkpoint loads for inference with the same outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from dspark_grpc.runtime.train.loop import (
     suggest_block_size,
     train,
 )
-from dspark_grpc.runtime.train.model import init_drafter, trainable_parameters
+from dspark_grpc.runtime.train.model import anchor_range, decoded_steps, init_drafter, trainable_parameters
 from dspark_grpc.runtime.train.vocab import build_draft_vocab, token_counts
 
 from .conftest import VOCAB, Tiny
@@ -126,3 +127,31 @@ def test_evaluation_metrics_are_consistent(tiny: Tiny):
     long = TrainSettings(steps=100, lr=1.0, warmup=0.04)
     assert [lr_at(s, long) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert 1.0 > lr_at(50, long) > lr_at(99, long) >= 0.1
+
+
+def test_decoding_walks_the_anchors_a_step_lands_on():
+    """By hand: at 0 two drafts are accepted (3 tokens, next anchor 3), at 3 none (1 token), at 4 three (4 tokens), at 8
+    one (2 tokens), then past the last anchor: 10 tokens in 4 steps. The anchors skipped (1, 2, 5-7) do not count,
+    where the mean over every anchor would count them alike."""
+    accepted = {0: 2, 1: 3, 2: 3, 3: 0, 4: 3, 5: 0, 6: 0, 7: 0, 8: 1}
+    assert decoded_steps(accepted, 0, 8) == (10, 4)
+    assert decoded_steps(accepted, 5, 8) == (5, 4)
+    assert decoded_steps(accepted, 9, 8) == (0, 0)
+
+
+def test_evaluation_walks_the_sequences_whose_every_anchor_it_drafted(tiny: Tiny):
+    drafter, t2d = make(tiny)
+    sparse, _ = evaluate(drafter, tiny.heldout, SETTINGS, t2d)
+    dense, chains = evaluate(drafter, tiny.heldout, dataclasses.replace(SETTINGS, eval_anchors=10_000), t2d)
+    assert sparse.decoded_length is None  # 4 anchors per sequence cover none of them
+    greedy = [s for s in tiny.heldout if s.mode == "greedy"]
+    tokens = steps = 0
+    for i, seq in enumerate(greedy):  # the walk by hand over the accepted lengths evaluate drafted
+        first, last = anchor_range(seq, 4, full_blocks=True)
+        mine = chains.accepted[chains.sequence == i].tolist()
+        assert len(mine) == last - first + 1
+        p = first
+        while p <= last:
+            tokens, steps, p = tokens + mine[p - first] + 1, steps + 1, p + mine[p - first] + 1
+    assert dense.decoded_length == pytest.approx(tokens / steps)
+    assert 1.0 <= dense.decoded_length <= 5.0 and "as decoded" in dense.line()

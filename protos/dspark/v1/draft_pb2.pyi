@@ -51,7 +51,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "block_size", "target_layer_ids", "mask_token_id", "vocab_size", "target", "protocol_version", "slot_convention", "markov_rank", "has_confidence_head", "proposers", "default_proposer", "max_sessions", "max_tree_budget", "max_message_bytes", "live_sessions")
+    __slots__ = ("name", "block_size", "target_layer_ids", "mask_token_id", "vocab_size", "target", "protocol_version", "slot_convention", "markov_rank", "has_confidence_head", "proposers", "default_proposer", "max_sessions", "max_tree_budget", "max_message_bytes", "live_sessions", "session_socket")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GetDrafterInfoResponse(_message.Message):
     MAX_TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -84,7 +85,8 @@ class GetDrafterInfoResponse(_message.Message):
     max_tree_budget: int
     max_message_bytes: int
     live_sessions: int
-    def __init__(self, name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., slot_convention: _Optional[_Union[SlotConvention, str]] = ..., markov_rank: _Optional[int] = ..., has_confidence_head: _Optional[bool] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., default_proposer: _Optional[_Union[Proposer, str]] = ..., max_sessions: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., live_sessions: _Optional[int] = ...) -> None: ...
+    session_socket: str
+    def __init__(self, name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., slot_convention: _Optional[_Union[SlotConvention, str]] = ..., markov_rank: _Optional[int] = ..., has_confidence_head: _Optional[bool] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., default_proposer: _Optional[_Union[Proposer, str]] = ..., max_sessions: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., live_sessions: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class DraftSessionRequest(_message.Message):
     __slots__ = ("request_id", "open", "append", "propose", "truncate", "release", "round")
