@@ -200,7 +200,10 @@ def _precision_and_compile(path: str, precision: str, compile_mode: str, quiet: 
     if why:
         said.append(f"compile {compile_mode} ({why})")
     if precision == "fast" and on_cpu and (reason := cpu_kernels.unavailable_reason()):
-        said.append(f"matmuls on torch's int4 kernel (the C++ block kernels: {reason.splitlines()[0]})")
+        said.append(f"matmuls on torch's int4 kernel, float matrices row by row (the C++ kernels: "
+                    f"{reason.splitlines()[0]})")
+    elif precision == "fast" and on_cpu:
+        said.append(f"CPU kernels: {cpu_kernels.kernel_isa()}")
     if said and not quiet:
         print(f"[dspark-target] {', '.join(said)}", flush=True)
     return precision, compile_mode

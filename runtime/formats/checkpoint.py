@@ -208,8 +208,9 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
                          "precision exact, run with compile off)")
     if precision == "exact":
         return _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
-    model = _on(Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16), device).pack()
+    model = _on(Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16), device)
     model.batch_invariant = True
+    model.pack()
     model(torch.tensor([0]), torch.tensor([0]), model.new_cache(max_length=1))  # packs the unfused int4 Linears
     if compile != "off":
         try:

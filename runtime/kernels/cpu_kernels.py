@@ -134,16 +134,23 @@ def available() -> bool:
     return _load() is None
 
 
-def _gguf_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
+def _gguf_matmul_fake(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None, qtype: int,
                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0] * ROWS), dtype=out_dtype)
 
 
-def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: int,
+def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None, qtype: int,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., in] (float32 or bf16) @ W^T for W as runtime/kernels/quant.py's `interleave_rows` lays it out; [..., out]
     in `out_dtype` (default: x's dtype), out = 16 * codes.shape[0] (bias [out] float32 or None)."""
     return torch.ops.dspark.gguf_matmul(x, codes, d, m, qtype, bias, out_dtype or x.dtype)
+
+
+def kernel_isa() -> str:
+    """The instruction sets the built kernels use, e.g. "blocks avx512-vnni, bf16 avx512-bf16, attention avx512-bf16"
+    (each is batch invariant on its own; they round differently), or why there are none."""
+    reason = _load()
+    return f"unavailable: {reason}" if reason else torch.ops.dspark.kernel_isa()
 
 
 def _row_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,

@@ -1,15 +1,20 @@
 // y = x @ W^T with W from a GGUF file's Q4_0, Q4_1 or Q8_0 blocks of 32, computed as llama.cpp does: each
 // activation row is quantized to int8 per block of 32 (scale = max|x| / 127), the block dots are exact integer
 // sums, scaled by d_w * d_x and accumulated in float32; Q4's offsets m add m * (the block's float sum of x).
+// A float matrix comes as BF16 "blocks" (the weights' bf16 bits, 32 per block): bf16 activations times bf16 weights
+// summed in float32, pairs of elements at a time (vdpbf16ps where the CPU has AVX-512 BF16, else the pair's two
+// products by FMA, even elements into one sum and odd into another, added at the end).
 //
 // The weights come repacked by runtime/kernels/quant.py (BlockWeight): 16 output rows side by side, so that each 32-bit lane
 // of a register holds 4 codes of one row and a register of dots covers 16 outputs (no horizontal sums). Per group
 // of 16 rows and block: codes [4][16 rows][4] bytes for Q4 (low nibbles elements 8i..8i+3, high nibbles 8i+4..8i+7
-// of chunk i) or [8][16 rows][4] int8 for Q8 (elements 4j..4j+3 of chunk j), then d and m as fp16 [16 rows].
+// of chunk i) or [8][16 rows][4] int8 for Q8 (elements 4j..4j+3 of chunk j), then d and m as fp16 [16 rows]; for BF16
+// [16 pairs][16 rows][2] bf16 (elements 2p, 2p+1 of pair p), no d or m.
 //
 // Every (row, output) is computed by the same instructions in the same order whatever the number of rows and
 // whichever thread or tile takes it: a row of an M-row call equals its 1-row call bitwise (batch invariance).
-// Two implementations, chosen when it is built for the CPU: AVX-512 VNNI and AVX2.
+// Implementations chosen when it is built for the CPU (`kernel_isa()` names them): integer blocks on AVX-512 VNNI or
+// AVX2; BF16 on AVX-512 BF16, AVX-512F or AVX2. Each is batch invariant on its own; they round differently.
 // Built by runtime/kernels/cpu_kernels.py (g++ -march=native, torch headers), registered as torch.ops.dspark.gguf_matmul.
 
 #include <ATen/core/Tensor.h>
@@ -22,15 +27,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
 
 constexpr int64_t QK = 32, ROWS = 16;
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;  // gguf.GGMLQuantizationType values
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30;  // gguf.GGMLQuantizationType values
 
 constexpr bool is_q4(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1; }
-constexpr int64_t code_bytes(int64_t qtype) { return is_q4(qtype) ? ROWS * QK / 2 : ROWS * QK; }  // per block
+constexpr int64_t code_bytes(int64_t qtype) {  // per block of 32 inputs and 16 outputs
+  return is_q4(qtype) ? ROWS * QK / 2 : qtype == BF16 ? ROWS * QK * 2 : ROWS * QK;
+}
 
 // The activations of R rows: int8 codes in [-127, 127], each block's scale, float sum and code sum.
 struct QuantizedRows {
@@ -109,6 +117,7 @@ inline int32_t four_codes(const int8_t* p) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr const char* BLOCK_ISA = "avx512-vnni";
 // AVX-512 VNNI: a register = 16 rows x 4 codes; vpdpbusd multiplies u8 weights by s8 activations. Q8 weights become
 // u8 as q + 128, the excess removed exactly by starting the integer sum at -128 * (the block's activation codes).
 constexpr int MAX_RT = 8;
@@ -159,6 +168,7 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
   }
 }
 #else
+constexpr const char* BLOCK_ISA = "avx2";
 // AVX2: a register = 8 rows x 4 codes (two per group of 16); maddubs multiplies u8 by s8 and adds pairs exactly
 // (|pair| <= 2 * 128 * 127 < 2^15: no saturation). Q4 codes are <= 15, so a block's 16 products per 16-bit lane sum
 // to at most 16 * 15 * 127 = 30480: exact in 16 bits, widened once per block. Q8 weights stay signed (|q| times x
@@ -222,6 +232,107 @@ void tile(const Weights& w, const QuantizedRows& a, int64_t K, int64_t g, int64_
 }
 #endif
 
+// BF16 weights: one register holds a pair of inputs for 16 (AVX-512) or 8 (AVX2) outputs, 32 bits a lane, and the
+// activations' pair is broadcast to every lane. x is bf16 [R, K].
+inline int32_t pair_bits(const at::BFloat16* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return v;
+}
+
+#if defined(__AVX512F__)
+constexpr int BF16_RT = 8;
+#if defined(__AVX512BF16__)
+constexpr const char* BF16_ISA = "avx512-bf16";
+#else
+constexpr const char* BF16_ISA = "avx512f";
+#endif
+
+template <int RT>
+void tile_bf16(const Weights& w, const at::BFloat16* x, int64_t K, int64_t g, int64_t r0, const Output& out) {
+  const int64_t nb = w.nb;
+  __m512 even[RT], odd[RT];
+  for (int r = 0; r < RT; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = w.codes + (g * nb + b) * code_bytes(BF16);
+    prefetch_next_group<BF16>(w, g, b);
+    for (int p = 0; p < QK / 2; ++p) {
+      const __m512i wv = _mm512_loadu_si512(c + 64 * p);
+#if defined(__AVX512BF16__)
+      // even[] and odd[] take alternate pairs: two dependency chains
+      __m512* acc = p % 2 == 0 ? even : odd;
+      for (int r = 0; r < RT; ++r) {
+        const __m512i xv = _mm512_set1_epi32(pair_bits(x + (r0 + r) * K + b * QK + 2 * p));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wv, (__m512bh)xv);
+      }
+#else
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(wv, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      for (int r = 0; r < RT; ++r) {
+        const at::BFloat16* xp = x + (r0 + r) * K + b * QK + 2 * p;
+        even[r] = _mm512_fmadd_ps(we, _mm512_set1_ps(static_cast<float>(xp[0])), even[r]);
+        odd[r] = _mm512_fmadd_ps(wo, _mm512_set1_ps(static_cast<float>(xp[1])), odd[r]);
+      }
+#endif
+    }
+  }
+  alignas(64) float sums[ROWS];
+  for (int r = 0; r < RT; ++r) {
+    _mm512_store_ps(sums, _mm512_add_ps(even[r], odd[r]));
+    out.store(r0 + r, g * ROWS, sums);
+  }
+}
+#else
+constexpr int BF16_RT = 4;
+constexpr const char* BF16_ISA = "avx2";
+
+template <int RT>
+void tile_bf16(const Weights& w, const at::BFloat16* x, int64_t K, int64_t g, int64_t r0, const Output& out) {
+  const int64_t nb = w.nb;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(32) float sums[RT][ROWS];
+  for (int h = 0; h < 2; ++h) {  // outputs 0-7, then 8-15
+    __m256 even[RT], odd[RT];
+    for (int r = 0; r < RT; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* c = w.codes + (g * nb + b) * code_bytes(BF16);
+      if (h == 0) prefetch_next_group<BF16>(w, g, b);
+      for (int p = 0; p < QK / 2; ++p) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * p + 32 * h));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+        for (int r = 0; r < RT; ++r) {
+          const at::BFloat16* xp = x + (r0 + r) * K + b * QK + 2 * p;
+          even[r] = _mm256_fmadd_ps(we, _mm256_set1_ps(static_cast<float>(xp[0])), even[r]);
+          odd[r] = _mm256_fmadd_ps(wo, _mm256_set1_ps(static_cast<float>(xp[1])), odd[r]);
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r) _mm256_store_ps(sums[r] + 8 * h, _mm256_add_ps(even[r], odd[r]));
+  }
+  for (int r = 0; r < RT; ++r) out.store(r0 + r, g * ROWS, sums[r]);
+}
+#endif
+
+template <int RT>
+void bf16_rows_from(const Weights& w, const at::BFloat16* x, int64_t K, int64_t R, int64_t g, int64_t r0,
+                    const Output& out) {
+  if constexpr (RT > 0) {
+    if (R - r0 >= RT) return tile_bf16<RT>(w, x, K, g, r0, out);
+    return bf16_rows_from<RT - 1>(w, x, K, R, g, r0, out);
+  }
+}
+
+void matmul_bf16(const Weights& w, const at::BFloat16* x, int64_t K, int64_t R, const Output& out) {
+  at::parallel_for(0, out.N / ROWS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t r0 = 0;
+      for (; r0 + BF16_RT <= R; r0 += BF16_RT) tile_bf16<BF16_RT>(w, x, K, g, r0, out);
+      if (r0 < R) bf16_rows_from<BF16_RT - 1>(w, x, K, R, g, r0, out);
+    }
+  });
+}
+
 template <int64_t QT, int RT>
 void rows_from(const Weights& w, const QuantizedRows& a, int64_t K, int64_t R, int64_t g, int64_t r0,
                const Output& out) {
@@ -242,10 +353,11 @@ void matmul(const Weights& w, const QuantizedRows& a, int64_t K, int64_t R, cons
   });
 }
 
-at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const std::optional<at::Tensor>& d,
                        const std::optional<at::Tensor>& m, int64_t qtype, const std::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "gguf_matmul: unsupported GGUF type ", qtype);
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == BF16, "gguf_matmul: unsupported GGUF type ",
+              qtype);
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "gguf_matmul: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "gguf_matmul: float32 or bfloat16 input");
@@ -256,10 +368,11 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
                   codes.size(1) == nb && codes.size(2) == code_bytes(qtype),
               "gguf_matmul: codes ", codes.sizes(), " are not [groups, ", nb, ", ", code_bytes(qtype), "] uint8");
   const int64_t N = codes.size(0) * ROWS;
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb, "gguf_matmul: bad d");
+  TORCH_CHECK(qtype == BF16 || (d.has_value() && d->scalar_type() == at::kHalf && d->is_contiguous() &&
+                                d->numel() == N * nb), "gguf_matmul: bad d");
   TORCH_CHECK(!is_q4(qtype) || (m.has_value() && m->scalar_type() == at::kHalf && m->is_contiguous() &&
                                 m->numel() == N * nb), "gguf_matmul: bad m");
-  const at::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
+  at::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
   const int64_t R = x2.numel() / K;
   at::DimVector out_shape(x.sizes());
   out_shape.back() = N;
@@ -270,15 +383,20 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
     bias_f = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias : bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias_f.numel() == N, "gguf_matmul: bias of ", bias_f.numel(), " values for ", N, " outputs");
   }
+  const Output out{out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr,
+                   out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr,
+                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, N};
+  const Weights w{codes.data_ptr<uint8_t>(), qtype == BF16 ? nullptr : d->data_ptr<at::Half>(),
+                  is_q4(qtype) ? m->data_ptr<at::Half>() : nullptr, nb};
+  if (qtype == BF16) {  // float32 activations are rounded to bf16 first, as the fast precision's are
+    if (x2.scalar_type() != at::kBFloat16) x2 = x2.to(at::kBFloat16);
+    matmul_bf16(w, x2.data_ptr<at::BFloat16>(), K, R, out);
+    return y;
+  }
   thread_local QuantizedRows quantized;
   QuantizedRows& q = quantized;  // (a thread_local is not captured: workers would see their own)
   if (x2.scalar_type() == at::kFloat) quantize_rows(x2.data_ptr<float>(), R, K, q);
   else quantize_rows(x2.data_ptr<at::BFloat16>(), R, K, q);
-  const Output out{out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr,
-                   out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr,
-                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, N};
-  const Weights w{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), is_q4(qtype) ? m->data_ptr<at::Half>() : nullptr,
-                  nb};
   switch (qtype) {
     case Q4_0: matmul<Q4_0>(w, q, K, R, out); break;
     case Q4_1: matmul<Q4_1>(w, q, K, R, out); break;
@@ -289,9 +407,17 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 }  // namespace
 
+const char* row_attention_isa();  // row_attention.cpp
+
+// Which implementation each kernel was built with (logged at start-up).
+std::string kernel_isa() {
+  return std::string("blocks ") + BLOCK_ISA + ", bf16 " + BF16_ISA + ", attention " + row_attention_isa();
+}
+
 TORCH_LIBRARY(dspark, m) {
-  m.def("gguf_matmul(Tensor x, Tensor codes, Tensor d, Tensor? m, int qtype, Tensor? bias, ScalarType out_dtype) "
+  m.def("gguf_matmul(Tensor x, Tensor codes, Tensor? d, Tensor? m, int qtype, Tensor? bias, ScalarType out_dtype) "
         "-> Tensor");
+  m.def("kernel_isa() -> str", &kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(dspark, CPU, m) { m.impl("gguf_matmul", &gguf_matmul); }

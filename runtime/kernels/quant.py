@@ -25,6 +25,8 @@ Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
 BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/kernels/gguf_matmul.cpp multiplies as stored
 GROUP = 32
+# a float matrix in the fast precision: its bf16 bits as "blocks" of runtime/kernels/gguf_matmul.cpp (bf16_blocks)
+BF16 = Q.BF16
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,8 @@ class QuantBlocks:
     def __post_init__(self) -> None:
         block, size = gguf.GGML_QUANT_SIZES[self.qtype]
         out, inp = self.shape
-        assert block == GROUP and inp % GROUP == 0, (self.qtype, self.shape)
-        assert self.data.dtype == torch.uint8 and self.data.shape == (out, inp // GROUP * size), self.data.shape
+        assert block in (1, GROUP) and inp % GROUP == 0, (self.qtype, self.shape)
+        assert self.data.dtype == torch.uint8 and self.data.shape == (out, inp // block * size), self.data.shape
 
     def with_rows(self, data: torch.Tensor) -> QuantBlocks:
         """The same matrix with its rows reordered (`data` = self.data with rows permuted)."""
@@ -64,6 +66,15 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
     data = gguf.quantize(weight.detach().float().cpu().numpy(), Q.Q8_0)
     return QuantBlocks(Q.Q8_0, torch.from_numpy(data).view(torch.uint8).reshape(weight.shape[0], -1),
                        (int(weight.shape[0]), int(weight.shape[1])))
+
+
+def bf16_blocks(weight: torch.Tensor) -> QuantBlocks:
+    """A float [out, in] weight (in % 32 == 0) rounded to bf16, as BF16 blocks for runtime/kernels/gguf_matmul.cpp:
+    a float matrix of the fast precision multiplied by our own kernel, whose rows are batch invariant by construction
+    (oneDNN's packed bf16 GEMM is not on every CPU: its blocking follows the row count)."""
+    assert weight.dim() == 2 and weight.shape[1] % GROUP == 0, weight.shape
+    data = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.uint8)
+    return QuantBlocks(BF16, data, (int(weight.shape[0]), int(weight.shape[1])))
 
 
 def block_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -129,13 +140,17 @@ def q8_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return b[..., 0:2].contiguous().view(torch.float16).float()[..., 0], b[..., 2:].contiguous().view(torch.int8)
 
 
-def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The layout runtime/kernels/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4)
-    or 512 (Q8)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0). out % 16 == 0."""
+def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The layout runtime/kernels/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4),
+    512 (Q8) or 1024 (BF16)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0; neither
+    for BF16). out % 16 == 0."""
     out, inp = blocks.shape
     rows = cpu_kernels.ROWS
     nb, groups = inp // GROUP, out // rows
     assert out % rows == 0, blocks.shape
+    if blocks.qtype == BF16:  # pairs of inputs: [group, block, pair, row, 4 bytes]
+        pairs = blocks.data.view(groups, rows, nb, GROUP // 2, 4).permute(0, 2, 3, 1, 4)
+        return pairs.reshape(groups, nb, -1).contiguous(), None, None
     if blocks.qtype == Q.Q8_0:
         d, q = q8_fields(blocks)
         codes = q.view(groups, rows, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).view(torch.uint8)
@@ -155,10 +170,10 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, to
 @dataclass(frozen=True)
 class BlockWeight:
     """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/kernels/gguf_matmul.cpp's
-    kernel (int8 activations per block of 32, as llama.cpp does)."""
+    kernel (int8 activations per block of 32, as llama.cpp does), or a float matrix's BF16 blocks (bf16 activations)."""
 
     codes: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
     qtype: gguf.GGMLQuantizationType
     bias: torch.Tensor | None
@@ -191,7 +206,7 @@ def quantized_weight(parts: Sequence[QuantBlocks], dtype: torch.dtype = torch.bf
                      bias: torch.Tensor | None = None) -> BlockWeight | Int4Weight | None:
     """The fast precision's matmul for these blocks stacked along out: the GGUF block kernel where it builds on this
     machine (None when the parts are of different types: it multiplies one type per call), else torch's int4 kernel
-    (Q4_0/Q4_1 only, mixed or not)."""
+    (Q4_0/Q4_1 only, mixed or not). BF16 blocks need the kernel."""
     if cpu_kernels.available():
         return BlockWeight.of(parts, dtype, bias) if len({p.qtype for p in parts}) == 1 else None
     return Int4Weight.of(parts, dtype, bias)

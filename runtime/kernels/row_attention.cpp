@@ -311,6 +311,9 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 }  // namespace
 
+// Which implementation it was built with (gguf_matmul.cpp's kernel_isa names it too).
+const char* row_attention_isa() { return HAVE_BF16_DOT ? "avx512-bf16" : LANES == 16 ? "avx512f" : "avx2"; }
+
 TORCH_LIBRARY_FRAGMENT(dspark, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
         "Tensor write_rows, Tensor mask) -> Tensor");

@@ -10,7 +10,7 @@ and reading. Only frozen inference models are packed: the packed copy does not f
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from dspark_grpc.runtime.kernels.quant import (
     BlockWeight,
     Int4Weight,
     QuantBlocks,
+    bf16_blocks,
     quantize_q8_0,
     quantized_weight,
 )
@@ -82,6 +83,8 @@ class FusedProjection:
 
     @classmethod
     def of(cls, layers: Sequence[nn.Linear]) -> FusedProjection | None:
+        if any(getattr(layer, "row_by_row", False) for layer in layers):
+            return None
         blocks = [getattr(layer, "blocks", None) for layer in layers]
         if any(b is not None for b in blocks):
             quantized = None if any(b is None for b in blocks) else quantized_weight(
@@ -112,18 +115,28 @@ class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
 
     A Linear given a GGUF's `blocks` (runtime/kernels/quant.py; its weight is then a meta tensor) runs on them
-    (`quantized_weight`), set up on first use (most run only inside a fused projection)."""
+    (`quantized_weight`), set up on first use (most run only inside a fused projection). One `row_by_row` multiplies
+    one row per call (`bf16_linears`)."""
 
     packed: torch.Tensor | None = None
     blocks: QuantBlocks | None = None
     quantized: BlockWeight | Int4Weight | None = None
+    row_by_row = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             if self.quantized is None:
                 self.quantized = quantized_weight([self.blocks], self.weight.dtype, self.bias)
             return self.quantized(x)
+        if self.row_by_row:
+            return rows_one_by_one(lambda row: F.linear(row, self.weight, self.bias), x)
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def rows_one_by_one(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn (a row-wise op) over x [..., d] one row per call: every call has one shape, so a row never depends on how
+    many rows came with it, whatever kernel torch picks (slow for many rows: the weights are read once per row)."""
+    return fixed_rows.by_fixed_rows(fn, x, rows=1)
 
 
 def matmul_kind(model: nn.Module) -> str:
@@ -152,6 +165,23 @@ def quantize_linears(model: nn.Module) -> int:
     return len(linears)
 
 
+def bf16_linears(model: nn.Module) -> int:
+    """The fast precision's float matrices, batch invariant by construction: every frozen bf16 `Linear` without
+    blocks gets its weight as BF16 blocks for runtime/kernels/gguf_matmul.cpp (`bf16_blocks`); one whose input size is
+    not a multiple of 32, or every one where the CPU kernels do not build, multiplies row by row (`row_by_row`).
+    Call before `pack_linears`; returns how many got blocks."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is None and not m.weight.requires_grad
+               and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    with_blocks = 0
+    for module in linears:
+        if module.in_features % GROUP == 0 and cpu_kernels.available():
+            module.blocks, module.packed = bf16_blocks(module.weight), None
+            with_blocks += 1
+        else:
+            module.row_by_row, module.packed = True, None
+    return with_blocks
+
+
 def pack_linears(model: nn.Module) -> int:
     """Pack every `Linear` of a frozen model in place, and let modules with a `pack_fused()` (attention's q/k/v,
     the MLP's gate/up) build their fused projections; returns how many Linears were packed."""
@@ -159,7 +189,7 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and module.blocks is not None:
             count += 1  # packed on first use
-        elif isinstance(module, Linear):
+        elif isinstance(module, Linear) and not module.row_by_row:
             module.packed = None if module.weight.requires_grad else pack_weight(module.weight)
             count += module.packed is not None
         pack_fused = getattr(module, "pack_fused", None)

@@ -15,11 +15,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime.kernels.quant import BlockWeight, QuantBlocks
+from dspark_grpc.runtime.kernels import cpu_kernels
+from dspark_grpc.runtime.kernels.quant import GROUP, BlockWeight, QuantBlocks, bf16_blocks
 from dspark_grpc.runtime.models.batch_invariant import RowPlan, attention_by_row, plan_rows, row_keys
 from dspark_grpc.runtime.models.config import ModelConfig
 from dspark_grpc.runtime.models.kv_cache import CacheFullError, HybridCache, KVCache
-from dspark_grpc.runtime.models.linear import FusedProjection, Linear, linear, pack_linears, pack_weight
+from dspark_grpc.runtime.models.linear import (
+    FusedProjection,
+    Linear,
+    bf16_linears,
+    linear,
+    pack_linears,
+    pack_weight,
+    rows_one_by_one,
+)
 from dspark_grpc.runtime.models.linear_attention import GatedDeltaNet, parents_from_mask
 from dspark_grpc.runtime.models.norm import RMSNorm
 from dspark_grpc.runtime.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -282,16 +291,24 @@ class Transformer(nn.Module):
             return self.output(x)
         if self.quantized_lm_head is not None:
             return self.quantized_lm_head(x, out_dtype=torch.float32)
+        if self.batch_invariant and x.device.type == "cpu":
+            return rows_one_by_one(lambda row: F.linear(row, self.tok_embeddings.weight), x)
         return linear(x, self.tok_embeddings.weight, packed=self.packed_lm_head)
 
     def pack(self) -> Transformer:
         """Pre-pack the projections and the (tied) lm_head for CPU inference (runtime/models/linear.py); frozen models
-        only."""
+        only. A batch-invariant model's float matrices first go to our bf16 kernel (`bf16_linears`), a tied head
+        without blocks too."""
+        if self.batch_invariant:
+            bf16_linears(self)
+            if self.output is None and self.head_blocks is None and self.dtype == torch.bfloat16 and (
+                    self.config.hidden_size % GROUP == 0 and cpu_kernels.available() and self.device.type == "cpu"):
+                self.head_blocks = bf16_blocks(self.tok_embeddings.weight)
         pack_linears(self)
         if self.output is None and self.head_blocks is not None:
             self.quantized_lm_head = BlockWeight.of([self.head_blocks])
-        else:
-            self.packed_lm_head = pack_weight(self.tok_embeddings.weight) if self.output is None else None
+        elif self.output is None and not self.batch_invariant:
+            self.packed_lm_head = pack_weight(self.tok_embeddings.weight)
         return self
 
     @torch.no_grad()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import pytest
 import torch
@@ -15,11 +17,12 @@ from dspark_grpc.runtime.kernels.quant import (
     BlockWeight,
     Int4Weight,
     QuantBlocks,
+    bf16_blocks,
     int4_available,
 )
 from dspark_grpc.runtime.models.batch_invariant import attention_by_row, row_keys
 from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
-from dspark_grpc.runtime.models.linear import pack_weight, packed_matmul
+from dspark_grpc.runtime.models.linear import Linear, rows_one_by_one
 from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.runtime.models.tree import ancestor_mask
 from dspark_grpc.serving.engine_bench import ar_steps
@@ -63,13 +66,23 @@ def test_q8_head_rows_are_batch_invariant():
     assert_rows_invariant(lambda x: head(x, out_dtype=torch.float32), torch.randn(max(ROWS), 576).bfloat16())
 
 
-def test_bf16_packed_head_rows_are_batch_invariant():
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+@pytest.mark.parametrize("shape", [(192, 576), (8192, 576), (576, 1536)])  # a projection, a head, a down projection
+def test_bf16_block_rows_are_batch_invariant(shape):
+    """The fast precision's float matrices (runtime/kernels/gguf_matmul.cpp's BF16 path; oneDNN's packed bf16 GEMM
+    changed a row's bits with the row count on an AVX-512 BF16 CPU)."""
+    g = torch.Generator().manual_seed(shape[0])
+    weight = BlockWeight.of([bf16_blocks(torch.randn(*shape, generator=g))], bias=torch.randn(shape[0], generator=g))
+    assert_rows_invariant(lambda x: weight(x, out_dtype=torch.float32),
+                          torch.randn(max(ROWS), shape[1], generator=g).bfloat16())
+
+
+def test_rows_one_by_one_is_batch_invariant():
+    """Where the kernels do not build, a float matrix of the fast precision multiplies one row per call."""
+    g = torch.Generator().manual_seed(1)
     weight = torch.randn(8192, 576, generator=g).bfloat16()
-    packed = pack_weight(weight)
-    if packed is None:
-        pytest.skip("oneDNN packing not available")
-    assert_rows_invariant(lambda x: packed_matmul(x, packed, None, 8192), torch.randn(max(ROWS), 576).bfloat16())
+    assert_rows_invariant(lambda x: rows_one_by_one(lambda row: F.linear(row, weight), x),
+                          torch.randn(max(ROWS), 576, generator=g).bfloat16())
 
 
 def test_row_keys_are_prefixes_or_gathered_rows():
@@ -154,6 +167,34 @@ def test_fast_forward_rows_equal_ar_steps(tiny_hf_models, name, qtype):
                                 tree_input(fresh_cache(), tree, parents)])
     for node, step in TREE_AR_STEPS:
         assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])  # an untied head; a tied one (the embedding's bf16 blocks)
+@pytest.mark.parametrize("kernels", ["built", "off"])
+def test_fast_bf16_forward_rows_equal_ar_steps(tiny_hf_models, name, kernels, monkeypatch):
+    """A float checkpoint in the fast precision (bf16 matrices): its verify rows equal its AR steps bitwise, on our
+    bf16 kernel, or row by row where the kernels are off; no matrix runs on oneDNN's packed GEMM."""
+    if kernels == "off":
+        monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+        monkeypatch.setattr(cpu_kernels, "_load", functools.cache(cpu_kernels._load.__wrapped__))
+    elif not cpu_kernels.available():
+        pytest.skip(cpu_kernels.unavailable_reason())
+    model = inference_model(load_checkpoint(tiny_hf_models[name], progress=False), "fast")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and not any(m.packed is not None for m in linears) and model.packed_lm_head is None
+    if kernels == "built":
+        assert all(m.blocks is not None and m.blocks.qtype == Q.BF16 for m in linears)
+        assert name != "qwen2" or model.quantized_lm_head is not None
+    else:
+        assert all(m.row_by_row for m in linears)
+    prompt = random_tokens(200, seed=5)
+
+    def fresh_cache():
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        return cache
+
+    assert_verifies_equal_ar_steps(model, prompt, fresh_cache)
 
 
 @pytest.fixture(scope="module")
