@@ -56,9 +56,13 @@ lint: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m dspark_grpc.protos.generate
 
-# The reference line of `dspark bench --baseline llama-cpp`: llama.cpp built from source (sdist only, ~12 min).
+# The reference line of `dspark bench --baseline llama-cpp`: llama.cpp built from source (sdist only, ~12 min), for
+# this CPU (-march=native) without AMX: a VM may list AMX among its CPU flags and trap the instructions (SIGILL at the
+# first matmul). --no-cache-dir: a wheel built before with other flags is not reused.
+LLAMA_CPP_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 llama-cpp: $(STAMP)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install --no-deps llama-cpp-python==0.3.36
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_CPP_FLAGS)' \
+		-DCMAKE_CXX_FLAGS='$(LLAMA_CPP_FLAGS)'" $(BIN)/pip install --no-cache-dir --no-deps llama-cpp-python==0.3.36
 	$(BIN)/pip install --quiet diskcache==5.6.3
 
 # .ci/check-dependencies reads the lists above

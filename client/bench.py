@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -271,6 +272,10 @@ def llama_cpp_baseline(prompts: list[dict], max_new_tokens: int, ignore_eos: boo
                "--max-new-tokens", str(max_new_tokens)]
         cmd += (["--ignore-eos"] if ignore_eos else []) + (["--model", target_model] if target_model else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if proc.returncode == -signal.SIGILL:
+        raise RuntimeError("the llama.cpp baseline died on an illegal instruction: its build uses instructions this "
+                           "CPU or its VM does not grant (AMX, say); `make llama-cpp` builds it for this CPU without "
+                           "AMX")
     if proc.returncode != 0:
         raise RuntimeError(f"the llama.cpp baseline exited with {proc.returncode} (its message is above)")
     return json.loads(proc.stdout)
