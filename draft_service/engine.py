@@ -84,7 +84,7 @@ class DraftLimits:
     hybrid_min_match: int = 2  # a hybrid chain follows the n-gram continuation from this match length on
     sample_top_k: int = 32  # a sampled DSpark chain draws from the top-k of its corrected distribution
     # serving/sessions.py: None = max_sessions - reserved_sessions, 0 = no cap of its own; reserved_sessions None =
-    # an eighth of max_sessions
+    # an eighth of max_sessions, at least one
     max_sessions_per_principal: int | None = DEFAULT_MAX_PER_PRINCIPAL
     reserved_sessions: int | None = None
     max_context: int = 1 << 16  # rows a session without a DSpark drafter may hold (with one: its max length)

@@ -88,7 +88,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_port: int, default_t
                         f"applies). {per_principal_note}Default: {per_principal_default}")
     p.add_argument("--reserved-sessions", type=non_negative_int, default=None, metavar="N",
                    help="the last free sessions, kept for principals that hold none: a new client can open one "
-                        "while others hold all they may. Default: an eighth of --max-sessions, rounded down")
+                        "while others hold all they may. Default: an eighth of --max-sessions, rounded down, at least "
+                        "1 (with --max-sessions >= 2)")
     sec = p.add_argument_group("security (default: plaintext, no authentication)")
     sec.add_argument("--tls-cert", default=None, metavar="PEM", help="server certificate chain: serve TLS")
     sec.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")

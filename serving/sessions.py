@@ -4,8 +4,8 @@ an idle TTL. A session belongs to its owner (the stream that opened it): to anyo
 Admission, so that one client cannot lock the others out: a principal (serving/security.py `principal_of`: its
 bearer token, else its client certificate, else its connection) holds at most `max_per_principal` sessions, and the
 last `reserved` free sessions go only to principals that hold none, so a new client can open one while others hold
-all they may. Defaults (`default_reserved`): an eighth of the sessions reserved, the rest the most one principal may
-hold (16 sessions: 2 and 14)."""
+all they may. Defaults (`default_reserved`): an eighth of the sessions reserved, at least one, the rest the most one
+principal may hold (16 sessions: 2 and 14; 4 sessions: 1 and 3)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def _principal(owner: Hashable) -> str | None:
 
 
 def default_reserved(max_sessions: int) -> int:
-    """Sessions kept for principals that hold none, unless configured: an eighth, rounded down (none below 8)."""
-    return max_sessions // 8
+    """Sessions kept for principals that hold none, unless configured: an eighth, rounded down, and at least one
+    where there are two or more (with fewer than 8 an eighth would be none: one client could lock the rest out)."""
+    return max(max_sessions // 8, 1) if max_sessions >= 2 else 0
 
 
 def limits_problem(max_sessions: int, max_per_principal: int | None, reserved: int | None) -> str | None:

@@ -60,7 +60,7 @@ class EngineLimits:
     # when it is smaller than one session's step.
     max_batch_rows: int = 1024
     # One client cannot lock the others out (serving/sessions.py): None = max_sessions - reserved_sessions; 0 = no
-    # cap of its own. reserved_sessions: the last free sessions, for principals that hold none (None = an eighth).
+    # cap of its own. reserved_sessions: the last free sessions, for principals that hold none (None = an eighth, >= 1).
     max_sessions_per_principal: int | None = None
     reserved_sessions: int | None = None
     # Forwards on one thread while that measures faster (another process took a core; serving/threads.py), where

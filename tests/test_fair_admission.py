@@ -47,6 +47,35 @@ def test_by_default_one_principal_holds_all_but_a_reserve_that_only_newcomers_ge
     assert len(store) == 14
 
 
+@pytest.mark.parametrize("max_sessions", [2, 3, 4, 7])
+def test_below_eight_sessions_one_is_still_kept_for_a_newcomer(max_sessions):
+    """An eighth rounds down to none below 8: one client holding every session it could open (4 streams of one
+    channel against --max-sessions 4) locked a second client out."""
+    store: SessionStore[str] = SessionStore(max_sessions=max_sessions, idle_ttl_s=60)
+    assert (store.reserved, store.max_per_principal) == (1, max_sessions - 1)
+    assert fill(lambda o: store.create("s", o), Owner("peer:ipv4:127.0.0.1:40001")) == max_sessions - 1
+    store.create("s", Owner("peer:ipv4:127.0.0.1:40002"))
+    assert len(store) == max_sessions
+
+
+def test_a_single_session_service_keeps_no_reserve():
+    store: SessionStore[str] = SessionStore(max_sessions=1, idle_ttl_s=60)
+    assert store.reserved == 0
+    assert fill(lambda o: store.create("s", o), Owner("peer:ipv4:127.0.0.1:40001")) == 1
+
+
+def test_the_draft_engine_keeps_one_for_a_newcomer_below_eight_sessions():
+    engine = prompt_lookup_engine(max_sessions=4)
+    assert (engine.sessions.reserved, engine.sessions.max_per_principal) == (1, 4)
+
+    def open_draft(owner: Owner) -> str:
+        return engine.open_session(FINGERPRINT, owner=owner)
+
+    assert [fill(open_draft, Owner("peer:ipv4:127.0.0.1:51000")) for _ in range(4)] == [3, 0, 0, 0]
+    open_draft(Owner("peer:ipv4:127.0.0.1:52000"))
+    assert len(engine.sessions) == 4
+
+
 def test_a_cap_refusal_names_the_flag_and_the_engines_own_sessions_are_not_principals():
     store: SessionStore[str] = SessionStore(max_sessions=8, idle_ttl_s=60)
     assert (store.reserved, store.max_per_principal) == (1, 7)
@@ -59,7 +88,8 @@ def test_a_cap_refusal_names_the_flag_and_the_engines_own_sessions_are_not_princ
 
 
 @pytest.mark.parametrize(("max_sessions", "per_principal", "reserved", "expected"), [
-    (4, None, None, (0, 4)),  # below 8 sessions nothing is reserved by default
+    (4, None, None, (1, 3)),  # below 8 sessions an eighth is none: one is kept all the same
+    (1, None, None, (0, 1)),
     (32, None, None, (4, 28)),
     (16, 0, None, (2, 16)),  # 0: no cap of its own; the reserve still holds a principal at 14
     (16, 0, 0, (0, 16)),  # the old behaviour
