@@ -1,10 +1,12 @@
 """Refused work is logged, but not once per refusal: a hostile or broken client can send millions of bad operations.
 The first refusal of a kind (what was refused, why, on which stream) in an interval is one line; the rest of that
-interval are counted and reported with the next line of that kind."""
+interval are counted and reported with the next line of that kind. Thread-safe: the services' session workers
+refuse from several threads at once."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
 
@@ -16,8 +18,13 @@ class RefusalLog:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.logger, self.interval_s, self.clock = logger, interval_s, clock
         self._kinds: dict[Hashable, list] = {}  # kind -> [start of its interval, refusals not logged since]
+        self._lock = threading.Lock()
 
     def refused(self, kind: Hashable, line: str) -> None:
+        with self._lock:
+            self._refused(kind, line)
+
+    def _refused(self, kind: Hashable, line: str) -> None:
         now = self.clock()
         seen = self._kinds.get(kind)
         if seen is not None and now - seen[0] < self.interval_s:

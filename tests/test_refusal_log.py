@@ -57,3 +57,40 @@ def test_memory_stays_bounded_under_many_streams(monkeypatch):
     assert len(log._kinds) <= 8
     assert len([line for line in lines if line.startswith("stream")]) == 100  # each stream's first refusal said
     assert any("1 more refused" in line for line in lines)  # a forgotten kind's count is not lost silently
+
+
+def test_many_threads_refusing_past_the_kind_limit_lose_nothing(monkeypatch):
+    """The session workers share one log: refusals from 8 threads at once, past the kind limit (kinds forgotten while
+    others are added), raise nothing and every refusal is either a line or counted in one."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(refusal_log, "MAX_KINDS", 16)
+    log, now, lines = make(interval_s=1.0)
+    errors: list[BaseException] = []
+    per_thread, threads = 2_000, 8
+
+    def refuse(t: int) -> None:
+        try:
+            for i in range(per_thread):
+                now[0] = i * 0.01
+                log.refused(("op", t, i % 40), f"refused {t} {i}")
+        except BaseException as e:  # noqa: BLE001 - any error a worker thread would die of
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        workers = [threading.Thread(target=refuse, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    counted = sum(int(line.split(": ")[1].split()[0]) for line in lines if " more refused in the " in line)
+    counted += sum(int(line.split("(and ")[1].split()[0]) for line in lines if "(and " in line)
+    plain = sum(1 for line in lines if line.startswith("refused "))
+    pending = sum(seen[1] for seen in log._kinds.values())
+    assert plain + counted + pending == per_thread * threads
