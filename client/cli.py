@@ -265,6 +265,9 @@ def parser() -> OneLineParser:
                    help="timed rounds of the three modes in turn after the shown warm-up round: each mode's tok/s is "
                         "reported with its spread over them, a mode compared with AR only where every round agrees")
     d.add_argument("--json", action="store_true", help="print each mode's text, token ids and stats as JSON")
+    d.add_argument("--quick", action="store_true",
+                   help="a smoke run of the same path: one timed round of 16 new tokens (whatever --rounds and "
+                        "--max-new-tokens say), the services without their start-up cost profile")
     _generation_args(d)
     _speculation_args(d)
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
@@ -322,10 +325,14 @@ def _demo(args: argparse.Namespace) -> None:
 
     print("Starting the target service (SmolLM2-135M-Instruct, embedded GGUF) and the draft service "
           f"({args.drafter_checkpoint}) on free loopback ports...", file=sys.stderr, flush=True)
+    profile = ["--no-cost-profile"] if args.quick else []
+    if args.quick:
+        args.rounds, args.max_new_tokens = 1, 16
     with contextlib.ExitStack() as stack:
         # SERVING before the target starts: the two start-up cost profiles must not share the CPU
-        drafter = stack.enter_context(local_drafter(["--drafter", args.drafter_checkpoint], wait_serving=True))
-        target = stack.enter_context(local_target(["--drafter", drafter], wait_serving=True))
+        drafter = stack.enter_context(local_drafter(["--drafter", args.drafter_checkpoint, *profile],
+                                                    wait_serving=True))
+        target = stack.enter_context(local_target(["--drafter", drafter, *profile], wait_serving=True))
         client = stack.enter_context(TargetClient(target, proposal=args.proposal, budget=args.budget,
                                                   kernel=args.kernel, proposer=args.proposer))
         client.wait_ready(timeout=300)

@@ -75,6 +75,7 @@ SLOW_FILES = (
     "tests/runtime/test_compiled_step.py",
     "tests/acceptance/test_lossless.py",
     "tests/service/test_bench.py",
+    "tests/service/test_demo.py",
     "tests/service/test_multi_target.py",
     "tests/service/test_openmp_teams.py",
     "tests/reliability/test_limits.py",
