@@ -169,6 +169,34 @@ def test_bench_refuses_an_uninstalled_baseline_before_running(tmp_path):
     assert not (tmp_path / "o.json").exists()
 
 
+def test_the_llama_cpp_baseline_runs_on_this_cpu(tmp_path):
+    """`make llama-cpp` builds llama.cpp for the CPU it runs on (native, without AMX, which a VM may trap): its AR on
+    a tiny prompt, where it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (make llama-cpp)")
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"prompt": "Say hello."}]))
+    run = subprocess.run([sys.executable, "-m", "dspark_grpc.target_service.llama_cpp_baseline", "--prompts-json",
+                          str(prompts), "--max-new-tokens", "4", "--ignore-eos"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["generated_tokens"] == 4 and len(result["outputs"][0]) == 4
+
+
+def test_a_baseline_killed_by_an_illegal_instruction_says_how_to_rebuild(monkeypatch, tmp_path):
+    from dspark_grpc.client import bench
+
+    dies = tmp_path / "dies.sh"
+    dies.write_text("#!/bin/sh\nkill -ILL $$\n")
+    dies.chmod(0o755)
+    monkeypatch.setattr(bench.sys, "executable", str(dies))
+    with pytest.raises(RuntimeError, match="illegal instruction.*make llama-cpp"):
+        bench.llama_cpp_baseline([{"prompt": "hi"}], 4, True, None)
+
+
 def _bench_result(concurrency: list[int], block: int = 4) -> dict:
     def entry(tps: float, ppa: list[float]) -> dict:
         return {"tokens_per_s": tps, "per_position_acceptance": ppa}
