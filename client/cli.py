@@ -23,8 +23,8 @@ from dspark_grpc.client.sdk import (
 )
 from dspark_grpc.speculation.channel import tls_mismatch
 from dspark_grpc.speculation.generation import RequestError
+from dspark_grpc.speculation.metrics import stats_dict
 from dspark_grpc.speculation.wire import ADAPTIVE, AR, AUTO, CHAIN, DEFAULT_PROPOSER, SPECULATION
-from google.protobuf.json_format import MessageToDict
 
 from dspark_grpc.cli_common import (
     OneLineParser,
@@ -83,6 +83,14 @@ def _mode_list(text: str) -> list[str]:
     return modes
 
 
+def mode_run_words(requested: str, stats) -> str:
+    """The mode asked for and what ran: "ar", "adaptive (ran AR)", "speculation (12 speculative + 3 AR steps)"
+    (stats.mode_run says speculation as soon as one step speculated)."""
+    if not stats.speculative_steps:
+        return requested if requested == AR else f"{requested} (ran AR)"
+    return f"{requested} ({stats.speculative_steps} speculative + {stats.ar_steps} AR steps)"
+
+
 def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | None = None, **prompt) -> None:
     """Generate, streaming the text (or printing it as JSON)."""
     t0 = time.perf_counter()
@@ -90,7 +98,7 @@ def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | No
         r = client.generate(**prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, mode=mode)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                          "stats": MessageToDict(r.stats, preserving_proto_field_name=True)}, indent=2))
+                          "stats": stats_dict(r.stats)}, indent=2))
         return
     from dspark_grpc.protos.dspark.v1 import common_pb2
 
@@ -103,12 +111,11 @@ def _print_result(client: TargetClient, args: argparse.Namespace, mode: str | No
         sys.stdout.write(text)
         sys.stdout.flush()
     wall = time.perf_counter() - t0
-    mode = common_pb2.DecodeMode.Name(stats.mode_run).removeprefix("DECODE_MODE_").lower()
     print(f"\n\n--- {stats.generated_tokens} tokens in {wall:.2f} s ({stats.generated_tokens / wall:.1f} tok/s "
           f"end to end, prefill {stats.prefill_seconds * 1000:.0f} ms for {stats.prompt_tokens} prompt tokens); "
-          f"mode {mode}; {stats.steps} target steps; finish: {finish}")
+          f"mode {mode_run_words(mode or args.mode, stats)}; {stats.steps} target steps; finish: {finish}")
     if stats.speculative_steps:
-        print(f"--- acceptance length {stats.acceptance_length:.2f} tokens per target step, draft "
+        print(f"--- acceptance length {stats.acceptance_length:.2f} tokens per speculative step, draft "
               f"{stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s")
     if stats.fallback_reason:
         print(f"--- fallback: {stats.fallback_reason}")
@@ -181,7 +188,8 @@ def _request_failure(code: int, message: str) -> str:
         return f"UNAVAILABLE: {message} -- {hint}"
     if name == "UNAVAILABLE":
         return (f"UNAVAILABLE: {message} -- is the service running at that address? Start it with "
-                "`dspark-target serve` (and `dspark-draft serve`), or pass --target/--drafter HOST:PORT")
+                "`dspark-target serve` (`dspark-target serve --drafter ADDRESS` speculates with a running "
+                "`dspark-draft serve`), or pass --target HOST:PORT")
     return f"{name}: {message}"
 
 

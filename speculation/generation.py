@@ -198,9 +198,10 @@ def _finish_stats(stats: common_pb2.GenerationStats, decode_seconds: float, draf
         stats.forward_rows = sums.forward_rows / stats.steps
     if sums.drafting_steps:
         stats.draft_pass_sessions = sums.draft_pass_sessions / sums.drafting_steps
-    # tokens committed per target forward, bonus included (the prefill's token is not a decode step's)
-    if stats.steps:
-        stats.acceptance_length = (stats.generated_tokens - 1) / stats.steps
+    # tokens committed per speculative step, bonus included (vLLM's 1 + accepted / drafts); AR steps have none, so a
+    # run without a speculative step reports 0
+    if stats.speculative_steps:
+        stats.acceptance_length = 1 + sum(accepted) / stats.speculative_steps
     accepted = accepted + [0] * (len(drafted) - len(accepted))
     del stats.per_position_acceptance[:], stats.drafted_per_position[:], stats.accepted_per_position[:]
     stats.drafted_per_position.extend(drafted)

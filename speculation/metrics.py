@@ -13,9 +13,9 @@ Definitions follow vLLM's v1/spec_decode/metrics.py, under this project's prefix
   1 + rate(accepted) / rate(drafts)).
 
 Beyond vLLM: a histogram of tokens committed per target forward (bonus included; AR steps count 1), a histogram
-of each request's acceptance length, steps by kind (ar / speculative), per-request mean draft and verify
-seconds per step (histograms) with exact second totals (counters), accepted tokens by proposer, requests by the
-decode mode actually run, and speculation fallbacks by reason.
+of each request's acceptance length (the requests that speculated), steps by kind (ar / speculative), per-request
+mean draft and verify seconds per step (histograms) with exact second totals (counters), accepted tokens by
+proposer, requests by the decode mode actually run, and speculation fallbacks by reason.
 
 prometheus-client is imported only when a `SpecDecodeMetrics` is built, so the SDK works without it.
 """
@@ -28,7 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dspark_grpc.protos.dspark.v1 import common_pb2
-from dspark_grpc.speculation.wire import AR
+from dspark_grpc.speculation.wire import AR, MODE_NAMES
+from google.protobuf import json_format
 
 TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -48,6 +49,18 @@ def mode_label(mode: int) -> str:
         return common_pb2.DecodeMode.Name(mode).removeprefix("DECODE_MODE_").lower()
     except ValueError:
         return str(mode)
+
+
+def stats_dict(stats: common_pb2.GenerationStats) -> dict:
+    """A finished request's stats as JSON values, one shape for `dspark generate --json` and the HTTP API's `dspark`
+    object: every field under its proto name, int64 fields as numbers (protobuf's JSON writes them as strings),
+    mode_run as "ar" / "speculation", acceptance_length null where no step speculated."""
+    out = json_format.MessageToDict(stats, always_print_fields_with_no_presence=True,
+                                    preserving_proto_field_name=True, unquote_int64_if_possible=True)
+    out["mode_run"] = MODE_NAMES.get(stats.mode_run, "")
+    if not stats.speculative_steps:
+        out["acceptance_length"] = None
+    return out
 
 
 def reason_label(reason: str) -> str:
@@ -90,7 +103,7 @@ class SpecDecodeMetrics:
             f"{p}:tokens_per_step", "Tokens committed per target forward, bonus included (AR steps: 1).",
             buckets=TOKEN_BUCKETS, registry=r)
         self.request_acceptance_length = prom.Histogram(
-            f"{p}:request_acceptance_length", "Per request: tokens committed per target forward.",
+            f"{p}:request_acceptance_length", "Per request that speculated: tokens committed per speculative step.",
             buckets=TOKEN_BUCKETS, registry=r)
         self.steps = prom.Counter(f"{p}:steps", "Target forwards after prefill, by kind (ar, speculative).",
                                   ["kind"], registry=r)
@@ -147,8 +160,9 @@ class SpecDecodeMetrics:
             self.num_accepted_tokens_by_proposer.labels(proposer=proposer or "unknown").inc(n)
         for n in stats.committed_per_step:
             self.tokens_per_step.observe(n)
-        if stats.steps:
+        if stats.speculative_steps:  # an AR-only request has no acceptance length
             self.request_acceptance_length.observe(stats.acceptance_length)
+        if stats.steps:
             self.mean_step_seconds.labels(kind="verify").observe(stats.verify_seconds / stats.steps)
         if n_drafts and stats.draft_seconds:
             self.mean_step_seconds.labels(kind="draft").observe(stats.draft_seconds / n_drafts)

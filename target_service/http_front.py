@@ -23,9 +23,9 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2
 from dspark_grpc.serving.security import Guard, principal_of
 from dspark_grpc.serving.server import RunningTasks, log_refusal
 from dspark_grpc.speculation.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
+from dspark_grpc.speculation.metrics import stats_dict
 from dspark_grpc.speculation.wire import KERNELS, MODES, PROPOSALS, PROPOSERS
 from dspark_grpc.target_service.servicer import TargetServicer
-from google.protobuf import json_format
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -44,7 +44,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 FINISH = {common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_STOP_STRING: "stop",
           common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_CONTEXT_FULL: "length"}
 INT32_MAX = (1 << 31) - 1
-MODE_NAMES = {v: k for k, v in MODES.items()}
 DSPARK_CHOICES = {"mode": MODES, "proposal": PROPOSALS, "proposer": PROPOSERS, "kernel": KERNELS}
 # OpenAI fields this server does not implement: refused when set to anything but their no-op value
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
@@ -176,11 +175,9 @@ def _dspark_options(options: object, request: target_pb2.GenerateRequest) -> Non
 
 
 def stats_extension(stats: common_pb2.GenerationStats, token_ids: list[int]) -> dict:
-    """The response's `dspark` object: every GenerationStats field (mode_run as "ar" / "speculation") and the ids of
+    """The response's `dspark` object: the stats as `dspark generate --json` prints them (stats_dict) and the ids of
     the completion's tokens."""
-    out = json_format.MessageToDict(stats, always_print_fields_with_no_presence=True,
-                                    preserving_proto_field_name=True, unquote_int64_if_possible=True)
-    out["mode_run"] = MODE_NAMES.get(stats.mode_run, "")
+    out = stats_dict(stats)
     out["token_ids"] = token_ids
     return out
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 from dspark_grpc.runtime.progress import still_working
@@ -33,6 +35,50 @@ def test_the_makefile_installs_the_cpu_torch_and_shows_pip_progress():
     pinned = subprocess.run(["make", "-s", "--no-print-directory", "print-TORCH_PIN"], cwd=ROOT, text=True,
                             capture_output=True, check=True).stdout.strip()
     assert pinned == "torch==2.13.0"
+
+
+def _install_commands(*make_args: str) -> list[list[str]]:
+    """The pip commands `make` runs to build the venv, as argv (make -n: printed, not run)."""
+    stamp = subprocess.run(["make", "-s", "--no-print-directory", "print-STAMP"], cwd=ROOT, text=True,
+                           capture_output=True, check=True).stdout.strip()
+    lines = subprocess.run(["make", "-n", "-B", "--no-print-directory", *make_args, stamp], cwd=ROOT, text=True,
+                           capture_output=True, check=True).stdout.splitlines()
+    commands = [shlex.split(line, comments=True) for line in lines]
+    return [argv for argv in commands if argv[:1] and argv[0].endswith("/pip")]
+
+
+def test_an_unreachable_torch_index_costs_one_warning():
+    """pip asks every index for every package it resolves, so the index may be named only where torch alone is
+    fetched, with one retry; torch's dependencies come with the project's install (torch installed by then)."""
+    commands = _install_commands()
+    [torch] = [argv for argv in commands if "--extra-index-url" in argv]
+    assert torch[torch.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert "--no-deps" in torch and torch[torch.index("--retries") + 1] == "1"
+    assert [a for a in torch if a.startswith("torch")] == ["torch==2.13.0"]
+    later = commands[commands.index(torch) + 1:]
+    assert ["install", "-e", ".[dev]"] in [argv[1:] for argv in later]  # what brings torch's dependencies
+    assert not any("index-url" in a for argv in _install_commands("TORCH_INDEX=") for a in argv)
+
+
+def test_every_directory_that_ships_is_a_listed_package():
+    """setuptools warns ("Package ... is absent from the `packages` configuration") about a directory with an
+    importable name under a listed package that is not listed itself, such as draft_service/drafters (data only)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages, dirs = set(config["packages"]), config["package-dir"]
+
+    def directory(package: str) -> Path:
+        parent = max((p for p in dirs if package == p or package.startswith(p + ".")), key=len)
+        return ROOT / dirs[parent] / package.removeprefix(parent).lstrip(".").replace(".", "/")
+
+    for package in packages:
+        for sub in directory(package).iterdir():
+            files = [f for f in sub.rglob("*") if f.is_file() and "__pycache__" not in f.parts] if sub.is_dir() else []
+            if sub.name.isidentifier() and files:
+                assert f"{package}.{sub.name}" in packages, f"{sub.relative_to(ROOT)} is not in `packages`"
+    for package, patterns in config["package-data"].items():  # and the data still ships
+        assert package in packages
+        for pattern in patterns:
+            assert list(directory(package).glob(pattern)), f"{package}: {pattern} matches nothing"
 
 
 def test_the_image_brings_a_compiler_before_installing():
