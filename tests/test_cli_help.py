@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dspark_grpc.cli_common import SERVER_PACKAGES, DefaultsHelpFormatter
 
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1
+HANG_S = 60.0  # a health check's answer (the link's own probe timeout is for a drafter under load, not this test)
 PARSERS = {"dspark": client_cli.parser, "dspark-target": target_cli.parser, "dspark-draft": draft_cli.parser}
 # what grpcio 1.85 said, observed once against the servers below (speculation/channel.py, tls_mismatch)
 PLAINTEXT_TO_TLS = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:42491: Socket closed"
@@ -206,20 +207,21 @@ def test_nothing_listening_is_still_a_service_that_is_not_running(capsys):
 
 
 def test_the_drafter_check_at_target_start_up(tls_server, pki, capsys):
-    nobody = DrafterLink(make_channel(NOBODY), NOBODY, 10.0)
+    nobody = DrafterLink(make_channel(NOBODY), NOBODY, 10.0, probe_timeout_s=HANG_S)
     warning = nobody.unreachable()
     assert warning.startswith(f"drafter {NOBODY} is not reachable (UNAVAILABLE: ")
     assert warning.endswith("sessions run target-only until it answers")
-    warn_if_unreachable(nobody, "[dspark-target]").join(30)
+    warn_if_unreachable(nobody, "[dspark-target]").join(HANG_S)
     assert capsys.readouterr().err == f"[dspark-target] warning: {warning}\n"
 
-    plaintext = DrafterLink(make_channel(tls_server), tls_server, 10.0)  # a plaintext target, a TLS drafter
+    plaintext = DrafterLink(make_channel(tls_server), tls_server, 10.0, probe_timeout_s=HANG_S)  # to a TLS drafter
     assert "may require TLS" in plaintext.unreachable() and "--drafter-tls-ca" in plaintext.unreachable()
     ca = (pki / "ca.pem").read_bytes()
-    assert DrafterLink(make_channel(tls_server, ChannelSecurity(root_ca=ca)), tls_server, 10.0).unreachable() is None
+    assert DrafterLink(make_channel(tls_server, ChannelSecurity(root_ca=ca)), tls_server, 10.0,
+                       probe_timeout_s=HANG_S).unreachable() is None
     loading, address = _health_server(status=health_pb2.HealthCheckResponse.NOT_SERVING)
     try:  # a drafter still loading answers: no warning
-        assert DrafterLink(make_channel(address), address, 10.0).unreachable() is None
+        assert DrafterLink(make_channel(address), address, 10.0, probe_timeout_s=HANG_S).unreachable() is None
     finally:
         loading.stop(0)
     for link in (nobody, plaintext):

@@ -172,7 +172,7 @@ def test_a_bad_cached_table_is_profiled_again_and_the_result_is_monotone_in_sess
     tables, said = _cached_target_tables(tiny_model, tmp_path, spot_seconds=1.0)
     assert "look wrong (2 sessions x 1 rows cost 200.0 ms but 1 x 1 cost 1000.0 ms)" in said[0]
     assert sum("profiling target forwards" in line for line in said) == 2
-    assert lanes_problem(tables) is None and tables[0].seconds[0] < 1.0
+    assert lanes_problem(tables) is None and tables[0].seconds != [1.0, 1.1]  # measured, not the bad table
     assert CostTable.load(tmp_path / one.key.file_name()).seconds == tables[0].seconds  # overwritten
 
 

@@ -4,6 +4,7 @@ rounds' worker is held by an explicit gate while jobs queue, so what forms a rou
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -14,6 +15,9 @@ from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.mode_chooser import ModeChooser
 from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
+
+HANG_S = 60.0  # a wait for another thread, or a draft timeout no round here should reach: only a hang reaches it
+NEXT_ROUND_S = 600.0  # how long a round may wait for the sessions of the last one: far past HANG_S
 
 
 def one_token(propose: draft_pb2.Propose) -> draft_pb2.Proposal:
@@ -105,9 +109,9 @@ def drafting(sid: str, generation: int = 0) -> SessionDrafting:
 def run_round(rounds: DraftRounds, sessions: list[SessionDrafting]) -> list:
     """Queue one step per session while the worker is held, then let it go: they form one round."""
     gate, held = threading.Event(), threading.Event()
-    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(HANG_S)),))
     blocker.start()
-    held.wait(10)
+    held.wait(HANG_S)
     replies: dict[str, object] = {}
 
     def step(s: SessionDrafting) -> None:
@@ -120,13 +124,14 @@ def run_round(rounds: DraftRounds, sessions: list[SessionDrafting]) -> list:
         threading.Event().wait(0.005)
     gate.set()
     for t in [blocker, *threads]:
-        t.join(10)
+        t.join(HANG_S)
     return [replies[s.session_id] for s in sessions]
 
 
 def test_steps_queued_together_are_one_round_and_verify_together():
     link, heard, planned = FakeLink(), [], []
-    rounds = DraftRounds(link, timeout_s=5, on_round=heard.append, plan=lambda jobs, replies: planned.append(len(jobs)))
+    rounds = DraftRounds(link, timeout_s=HANG_S, on_round=heard.append,
+                         plan=lambda jobs, replies: planned.append(len(jobs)))
     sessions = [drafting(f"s{i}") for i in range(4)]
     replies = run_round(rounds, sessions)
     (stream,) = link.streams
@@ -141,7 +146,7 @@ def test_steps_queued_together_are_one_round_and_verify_together():
 
 def test_a_stream_that_ended_between_rounds_is_replaced_and_its_sessions_stop_drafting():
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5)
+    rounds = DraftRounds(link, timeout_s=HANG_S)
     old = drafting("old")
     run_round(rounds, [old])
     link.streams[0].ended = True  # the drafter went away between rounds
@@ -156,7 +161,7 @@ def test_a_stream_that_ended_between_rounds_is_replaced_and_its_sessions_stop_dr
 def test_a_failed_round_fails_its_sessions_and_the_next_round_opens_a_new_stream():
     link = FakeLink()
     link.fail_next = True
-    rounds = DraftRounds(link, timeout_s=5)
+    rounds = DraftRounds(link, timeout_s=HANG_S)
     (failed,) = run_round(rounds, [drafting("a")])
     assert failed.replies is None and "UNAVAILABLE" in failed.error
     (ok,) = run_round(rounds, [drafting("b")])
@@ -189,13 +194,13 @@ def test_a_release_waits_for_the_round_drafted_ahead_for_its_session():
     from concurrent.futures import Future, ThreadPoolExecutor
 
     link = FakeLink()
-    rounds = DraftRounds(link, 10.0)
+    rounds = DraftRounds(link, HANG_S)
     s = drafting("a")
     run_round(rounds, [s])  # the session's first round opens it
     gate, held = threading.Event(), threading.Event()
-    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(HANG_S)),))
     blocker.start()
-    held.wait(10)
+    held.wait(HANG_S)
     ahead_submitted: Future = Future()  # the servicer's draft-ahead future, before its job reached the rounds
     rounds.release(s, s.finish(), after=ahead_submitted)
     with ThreadPoolExecutor(1) as pool:
@@ -203,16 +208,20 @@ def test_a_release_waits_for_the_round_drafted_ahead_for_its_session():
         while rounds.batcher.queued() < 1:
             threading.Event().wait(0.005)
         gate.set()
-        ahead_submitted.set_result(ahead.result(10))
-    blocker.join(10)
+        ahead_submitted.set_result(ahead.result(HANG_S))
+    blocker.join(HANG_S)
     stream = link.streams[-1]
-    for _ in range(2000):  # until the release's round arrives (no timing asserted)
-        if len(stream.rounds) == 3:
-            break
-        threading.Event().wait(0.005)
+    _wait_rounds(stream, 3)  # the release's round
     kinds = [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds]
     assert kinds == [["open", "propose"], ["propose"], ["release"]]
     rounds.close()
+
+
+def _wait_rounds(stream: FakeStream, n: int) -> None:
+    deadline = time.monotonic() + HANG_S
+    while len(stream.rounds) < n:
+        assert time.monotonic() < deadline, f"{len(stream.rounds)} rounds reached the drafter, not {n}"
+        threading.Event().wait(0.005)
 
 
 def _proposing(round_msg: draft_pb2.DraftRound) -> list[str]:
@@ -223,7 +232,7 @@ def test_the_next_round_waits_for_the_sessions_of_the_last_one():
     """b asks for its next proposal while a is still verifying: the round waits for a (a bound far beyond the test),
     so the two keep drafting in one pass and verifying in one forward instead of splitting into alternating groups."""
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=NEXT_ROUND_S)
     a, b = drafting("a"), drafting("b")
     run_round(rounds, [a, b])
     replies: dict[str, object] = {}
@@ -232,7 +241,7 @@ def test_the_next_round_waits_for_the_sessions_of_the_last_one():
     first.start()
     first.join(0.5)  # (a round that did not wait would have run by now; one that waits is still waiting)
     replies["a"] = rounds.submit(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
-    first.join(30)
+    first.join(HANG_S)
     stream = link.streams[-1]
     assert [_proposing(r) for r in stream.rounds] == [["a", "b"], ["a", "b"]]
     assert all(r.replies[-1].proposal.batch_sessions == 2 for r in replies.values())
@@ -242,13 +251,13 @@ def test_the_next_round_waits_for_the_sessions_of_the_last_one():
 def test_a_session_that_will_not_draft_next_is_not_waited_for():
     """a steps AR next (or drafts from its chain, or ends): it says so, and b's round runs without it."""
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=NEXT_ROUND_S)
     a, b = drafting("a"), drafting("b")
     run_round(rounds, [a, b])
     rounds.unexpect("a")
     done = threading.Thread(target=rounds.submit, args=(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1)),))
     done.start()
-    done.join(30)  # without the unexpect it would wait the 60 s bound
+    done.join(HANG_S)  # without the unexpect it would wait NEXT_ROUND_S
     assert not done.is_alive()
     assert [_proposing(r) for r in link.streams[-1].rounds] == [["a", "b"], ["b"]]
     rounds.close()
@@ -258,7 +267,7 @@ def test_a_session_whose_client_has_not_sent_its_next_step_is_not_waited_for():
     """Drafted ahead for a session stepped by its client (a session stream): its next Step waits for that client,
     so the next round does not wait for it; it does for a session whose step is under way."""
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5, next_round_s=60.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=NEXT_ROUND_S)
     idle, busy = drafting("idle"), drafting("busy")
     run_round(rounds, [idle, busy])
     rounds.unexpect("idle")
@@ -266,15 +275,15 @@ def test_a_session_whose_client_has_not_sent_its_next_step_is_not_waited_for():
     busy.in_step = True  # (idle.in_step stays False: between its client's steps)
     ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
              for s in (idle, busy)]
-    assert all(f.result(30).replies is not None for f in ahead)
+    assert all(f.result(HANG_S).replies is not None for f in ahead)
     other = drafting("other")
     done = threading.Thread(target=rounds.submit,
                             args=(RoundJob(other, other.round_ops(anchor=6, position=4, proposer=1)),))
     done.start()
     done.join(0.5)
-    assert done.is_alive()  # waits for busy (bound 60 s), not for idle
+    assert done.is_alive()  # waits for busy (up to NEXT_ROUND_S), not for idle
     rounds.submit(RoundJob(busy, busy.round_ops(anchor=7, position=5, proposer=1), False))
-    done.join(30)
+    done.join(HANG_S)
     assert not done.is_alive()
     assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["busy", "other"]
     rounds.close()
@@ -284,22 +293,22 @@ def test_a_step_that_needs_no_round_waits_for_the_round_under_way():
     """A session verifying the rest of its last chain asks the drafter nothing; while other sessions' round is at
     the drafter it waits for that round (then verifies in their forward), and without one it does not wait."""
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5, next_round_s=0.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=0.0)
     a = drafting("a")
     run_round(rounds, [a])
     assert rounds.wait_for_round(0.0)  # none under way
     stream = link.streams[-1]
     release = stream.hold()
     ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
-    assert stream.arrived.wait(30)
+    assert stream.arrived.wait(HANG_S)
     waited: list[bool] = []
-    waiter = threading.Thread(target=lambda: waited.append(rounds.wait_for_round(60.0)))
+    waiter = threading.Thread(target=lambda: waited.append(rounds.wait_for_round(NEXT_ROUND_S)))
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive() and not ahead.done()
     release.set()
-    waiter.join(30)
-    assert waited == [True] and ahead.result(30).replies is not None
+    waiter.join(HANG_S)
+    assert waited == [True] and ahead.result(HANG_S).replies is not None
     rounds.close()
 
 
@@ -308,19 +317,19 @@ def test_the_target_expects_the_verifies_of_the_sessions_whose_steps_wait_for_th
     forward is told to wait for them (one forward for the round); one whose client has not sent its next Step yet is
     not waited for."""
     link, heard = FakeLink(), []
-    rounds = DraftRounds(link, timeout_s=5, on_round=heard.append, next_round_s=0.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, on_round=heard.append, next_round_s=0.0)
     waiting, idle = drafting("waiting"), drafting("idle")
     run_round(rounds, [waiting, idle])
     waiting.in_step = True
     gate, held = threading.Event(), threading.Event()
-    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(10)),))
+    blocker = threading.Thread(target=rounds.batcher.call, args=(lambda: (held.set(), gate.wait(HANG_S)),))
     blocker.start()
-    held.wait(10)
+    held.wait(HANG_S)
     ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
              for s in (waiting, idle)]
     gate.set()
-    assert all(f.result(30).replies is not None for f in ahead)
-    blocker.join(10)
+    assert all(f.result(HANG_S).replies is not None for f in ahead)
+    blocker.join(HANG_S)
     assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["idle", "waiting"]
     assert sorted(heard[-1]) == ["waiting"]
     rounds.close()
@@ -331,7 +340,7 @@ def test_a_lone_sessions_round_is_sent_by_the_asking_thread_and_completed_by_the
     reply completes it where it is read; while it is out, another session's step waits for the next round, which
     the worker sends after it."""
     link = FakeLink()
-    rounds = DraftRounds(link, timeout_s=5, next_round_s=0.0)
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=0.0)
     a, b = drafting("a"), drafting("b")
     run_round(rounds, [a])
     stream, senders = link.streams[-1], []
@@ -343,11 +352,11 @@ def test_a_lone_sessions_round_is_sent_by_the_asking_thread_and_completed_by_the
 
     stream.send = recorded_send
     ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
-    assert senders == [threading.current_thread().name] and stream.arrived.wait(30)
+    assert senders == [threading.current_thread().name] and stream.arrived.wait(HANG_S)
     other = rounds.batcher.submit_future(RoundJob(b, b.round_ops(anchor=6, position=4, proposer=1)))
     assert not other.done() and rounds.batcher.queued() == 1  # the worker does not send while a's round is out
     release.set()
-    assert rounds.result(ahead).replies is not None and other.result(30).replies is not None
+    assert rounds.result(ahead).replies is not None and other.result(HANG_S).replies is not None
     assert senders[1] == "draft-rounds"  # b's round, after a's, from the worker
     assert [_proposing(r) for r in stream.rounds][-2:] == [["a"], ["b"]]
     rounds.close()
@@ -376,7 +385,7 @@ def test_a_release_after_a_round_its_step_sent_goes_after_that_round():
     """The same rule when the round drafted ahead was sent by the step's own thread (no worker involved): the
     release is queued only once that round's reply is in."""
     link = FakeLink()
-    rounds = DraftRounds(link, 10.0, next_round_s=0.0)
+    rounds = DraftRounds(link, HANG_S, next_round_s=0.0)
     s = drafting("a")
     run_round(rounds, [s])
     stream = link.streams[-1]
@@ -386,10 +395,7 @@ def test_a_release_after_a_round_its_step_sent_goes_after_that_round():
     assert not ahead.done() and rounds.batcher.queued() == 0  # the release waits for the round, not in the queue
     go.set()
     assert rounds.result(ahead).replies is not None
-    for _ in range(2000):  # until the release's round arrives (no timing asserted)
-        if len(stream.rounds) == 3:
-            break
-        threading.Event().wait(0.005)
+    _wait_rounds(stream, 3)  # the release's round
     assert [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds] == [["open", "propose"], ["propose"],
                                                                               ["release"]]
     rounds.close()

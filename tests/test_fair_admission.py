@@ -190,10 +190,10 @@ def test_a_generate_that_finds_no_session_waits_for_one_to_be_freed():
     opened: list = []
     waiting = threading.Thread(target=lambda: opened.append(target.open(target_pb2.OpenSession())))
     waiting.start()
-    assert tried.wait(10)  # refused (the client holds its 2): it waits, no reply yet
+    assert tried.wait(60)  # refused (the client holds its 2): it waits, no reply yet
     assert not opened
     store.release(held[0])  # a session of the client's ends
-    waiting.join(10)
+    waiting.join(60)
     assert not waiting.is_alive() and opened[0].session_id
 
 

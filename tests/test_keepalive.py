@@ -61,6 +61,26 @@ def test_the_shipped_channels_ping_and_the_servers_accept_their_pings():
     assert accepted["grpc.http2.min_recv_ping_interval_without_data_ms"] <= sent["grpc.keepalive_time_ms"]
 
 
+def test_the_targets_link_retries_a_drafter_that_went_away_at_least_once_a_second(monkeypatch):
+    """Why a target speculates again soon after its drafter is back (tests/reliability/test_lifecycle.py waits for
+    that with a bound only a hang reaches): the channel of its link to the drafter caps gRPC's reconnect backoff
+    (2 minutes by default) at a second, and the link probes the drafter twice a second."""
+    from dspark_grpc.target_service import drafter_link
+    from dspark_grpc.target_service.step_engine import StepEngine
+
+    made, insecure_channel = [], grpc.insecure_channel
+
+    def recorded(address, options=None):
+        made.append(dict(options or ()))
+        return insecure_channel(address, options=options)
+
+    monkeypatch.setattr(grpc, "insecure_channel", recorded)
+    StepEngine(drafter_address="127.0.0.1:1").drafters.close()
+    (options,) = made
+    assert options["grpc.initial_reconnect_backoff_ms"] <= 1000 and options["grpc.max_reconnect_backoff_ms"] <= 1000
+    assert drafter_link.PROBE_INTERVAL_S <= 0.5
+
+
 def test_a_token_without_tls_to_another_machine_is_warned_about():
     token = ChannelSecurity(token="secret")
     assert token_in_the_clear("10.0.0.7:50051", token) is not None

@@ -24,9 +24,10 @@ def _spec_stats() -> common_pb2.GenerationStats:
 
 
 def _ar_stats(reason: str = "") -> common_pb2.GenerationStats:
+    # no speculative step: acceptance_length 0 (none)
     return common_pb2.GenerationStats(prompt_tokens=2, generated_tokens=3, steps=2, mode_run=common_pb2.DECODE_MODE_AR,
-                                      acceptance_length=1.0, verify_seconds=0.2, ar_steps=2,
-                                      committed_per_step=[1, 1], fallback_reason=reason)
+                                      verify_seconds=0.2, ar_steps=2, committed_per_step=[1, 1],
+                                      fallback_reason=reason)
 
 
 def _value(m: SpecDecodeMetrics, name: str, **labels: str) -> float | None:
@@ -54,7 +55,8 @@ def test_observe_counts_like_vllm():
     assert _value(m, "dspark:tokens_per_step_count") == 6
     assert _value(m, "dspark:tokens_per_step_sum") == 10
     assert _value(m, "dspark:tokens_per_step_bucket", le="1.0") == 4
-    assert _value(m, "dspark:request_acceptance_length_sum") == 3.0
+    assert _value(m, "dspark:request_acceptance_length_sum") == 2.0  # the AR request has none
+    assert _value(m, "dspark:request_acceptance_length_count") == 1
     assert _value(m, "dspark:requests_total", mode="speculation") == 1
     assert _value(m, "dspark:requests_total", mode="ar") == 1
     assert _value(m, "dspark:spec_decode_fallbacks_total", reason="drafter_propose_failed") == 1
@@ -97,7 +99,7 @@ def test_metrics_http_server():
     m.observe(_spec_stats())
     server = m.serve(0)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=60) as r:
             body = r.read().decode()
         assert "dspark:spec_decode_num_drafts_total 3.0" in body
     finally:

@@ -49,7 +49,7 @@ def test_session_store_limit_ttl_and_owner():
 
 
 def test_session_store_sessions_belong_to_their_owner_and_principals_are_capped():
-    store: SessionStore[str] = SessionStore(max_sessions=4, idle_ttl_s=10, max_per_principal=2)
+    store: SessionStore[str] = SessionStore(max_sessions=4, idle_ttl_s=600, max_per_principal=2)
     alice1, alice2, bob = Owner("alice"), Owner("alice"), Owner("bob")  # two streams of alice, one of bob
     a = store.create("a", alice1)
     assert store.get(a, alice1) == "a" and store.get(a) == "a"  # no owner given: the engine's own access

@@ -1,4 +1,5 @@
-"""Slow, obviously-correct references: the DSpark chain element by element, DDTree by enumerating every path."""
+"""Slow, obviously-correct references: the DSpark chain element by element, DDTree by enumerating every path; and
+the float32 error bounds of the chain (tests/tolerance.py) that comparisons with them allow."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 from dspark_grpc.runtime.drafting.markov import Chain, ConfidenceHead, MarkovHead
+from tolerance import gamma, log_softmax_error, sigmoid_error, unit_roundoff
 
 
 def _dot(a: list[float], b: list[float]) -> float:
@@ -93,3 +95,61 @@ def brute_force_tree(lp: list[list[float]], budget: int, chain_seed: bool = Fals
     chain = [(0,) * d for d in range(1, min(depth, budget) + 1)]
     rest = [t for t in order if t not in chain]
     return chain + rest[: budget - len(chain)]
+
+
+def _abs_max(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().max())
+
+
+def markov_v_error(markov: MarkovHead, hidden: torch.Tensor, steps: int) -> tuple[float, float, float]:
+    """(max |v|, a bound on v's float32 error, and on the rnn state's) over `steps` chained steps: vanilla v = e
+    exactly; gated sigmoid(G [h ; e] + b) e, the argument within gamma_{H+r+1} of its magnitude (sigmoid: 1/4 of
+    that); rnn tanh(o), [g, c, o] = J [s ; e ; h] + b, the state's error carried on through J's state columns."""
+    e_max, h_max, n = _abs_max(markov.w1.weight), _abs_max(hidden), markov.rank + markov.hidden_size + 1
+    if markov.kind == "vanilla":
+        return e_max, 0.0, 0.0
+    if markov.kind == "gated":
+        g = markov.gate_proj
+        arg = float(g.weight.double().abs().sum(1).max()) * max(h_max, e_max) + _abs_max(g.bias)
+        return e_max, e_max * sigmoid_error(gamma(n) * arg) + unit_roundoff() * e_max, 0.0
+    j, r = markov.joint_proj, markov.rank
+    arg = float(j.weight.double().abs().sum(1).max()) * max(1.0, h_max, e_max) + _abs_max(j.bias)
+    through_state = float(j.weight.double().abs()[:, :r].sum(1).max())
+    v_error = state_error = 0.0
+    for _ in range(steps):  # |s| <= 1: s' = g s + (1 - g) tanh(c), g = sigmoid(.), tanh 1-Lipschitz
+        d = gamma(n + r) * arg + through_state * state_error
+        v_error = d + gamma(3)
+        state_error = 2 * sigmoid_error(d) + state_error + d + gamma(3) + 3 * unit_roundoff()
+    return 1.0, v_error, state_error
+
+
+def z_bound(u: torch.Tensor, markov: MarkovHead | None, hidden: torch.Tensor) -> tuple[float, float]:
+    """(max |Z|, a bound on Z's float32 error) of Z = U + W2 v over u's rows (steps): gamma_{r+1} of |W2| |v| plus
+    |W2| times v's error, and the add's rounding."""
+    if markov is None:
+        return _abs_max(u), 0.0
+    v_max, v_error, _ = markov_v_error(markov, hidden, u.shape[0])
+    w2 = float(markov.w2.weight.double().abs().sum(1).max())
+    z_max = _abs_max(u) + w2 * v_max
+    return z_max, unit_roundoff() * z_max + w2 * (gamma(markov.rank + 1) * v_max + v_error)
+
+
+def chain_tolerances(u: torch.Tensor, markov: MarkovHead | None, conf: ConfidenceHead | None,
+                     h_pre: torch.Tensor, h_post: torch.Tensor, sides: int = 1) -> tuple[float, float]:
+    """tests/tolerance.py's bounds on a float32 chain's (log-probs, confidences), `sides` of them: the log-softmax of
+    Z (`z_bound`) over the draft vocabulary, and sigmoid((w . [h ; e] + b) / T) (gamma_{n+2} of |w| |x| + |b|, over
+    the smallest T)."""
+    z_max, z_error = z_bound(u, markov, h_post)
+    logprob = sides * log_softmax_error(u.shape[-1], z_max, z_error)
+    if conf is None:
+        return logprob, 0.0
+    x_max = max(_abs_max(h_pre), _abs_max(h_post), _abs_max(markov.w1.weight) if markov is not None else 0.0)
+    return logprob, confidence_tolerance(conf, x_max, u.shape[0], sides)
+
+
+def confidence_tolerance(conf: ConfidenceHead, x_max: float, rows: int, sides: int = 1) -> float:
+    """sigmoid((w . x + b) / T) for |x| <= x_max over `rows` positions: gamma_{n+2} of |w| |x| + |b| (the dot, the
+    bias, the divide) over the smallest T, through sigmoid."""
+    w = conf.proj.weight.detach().double().abs()
+    arg = (float(w.sum()) * x_max + _abs_max(conf.proj.bias)) / float(conf.position_temperatures(rows).min())
+    return sides * sigmoid_error(gamma(w.shape[1] + 2) * arg)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from dspark_grpc.runtime.drafting.markov import ConfidenceHead, draft_chain
 
+from .reference import chain_tolerances, confidence_tolerance
 from .test_markov_chain import H, R, fused, make_heads, make_inputs, needs_triton
 
 PATHS = ["torch", "fused"]
@@ -31,7 +32,8 @@ def test_input_is_hidden_then_markov_embedding(path: str, with_markov: bool):
     chain = run(path, u, h_pre, h_post, 13, markov, conf, None)
     prevs = [13, *chain.tokens[:-1]]
     emb = markov.w1.weight[prevs] if with_markov else None
-    torch.testing.assert_close(chain.confidences, torch.sigmoid(manual_logits(conf, h_post, emb)), atol=1e-6, rtol=0)
+    atol = chain_tolerances(u, markov, conf, h_pre, h_post, sides=2)[1]
+    torch.testing.assert_close(chain.confidences, torch.sigmoid(manual_logits(conf, h_post, emb)), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -42,11 +44,12 @@ def test_reads_pre_or_post_norm_hidden(path: str, pre_norm: bool):
     chain = run(path, u, h_pre, h_post, 2, markov, conf, None)
     emb = markov.w1.weight[[2, *chain.tokens[:-1]]]
     expected = torch.sigmoid(manual_logits(conf, h_pre if pre_norm else h_post, emb))
-    torch.testing.assert_close(chain.confidences, expected, atol=1e-6, rtol=0)
+    atol = chain_tolerances(u, markov, conf, h_pre, h_post, sides=2)[1]
+    torch.testing.assert_close(chain.confidences, expected, atol=atol, rtol=0)
     # the vanilla chain itself ignores both hidden states
     moved = run(path, u, h_pre + 5 * pre_norm, h_post + 5 * (not pre_norm), 2, markov, conf, None)
     assert moved.tokens == chain.tokens
-    assert not torch.allclose(moved.confidences, chain.confidences)
+    assert not torch.allclose(moved.confidences, chain.confidences, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -57,17 +60,20 @@ def test_calibration_temperature_per_position(path: str):
     chain = run(path, u, h_pre, h_post, 4, markov, conf, None)
     logits = conf.logits(h_post, markov.w1.weight[[4, *chain.tokens[:-1]]])
     t = torch.tensor([0.5, 2.0, 4.0, 4.0, 4.0])  # positions past the table use its last entry
-    torch.testing.assert_close(chain.confidences, torch.sigmoid(logits / t), atol=1e-6, rtol=0)
+    atol = chain_tolerances(u, markov, conf, h_pre, h_post, sides=2)[1]
+    torch.testing.assert_close(chain.confidences, torch.sigmoid(logits / t), atol=atol, rtol=0)
 
 
 def test_module_forward_and_start_offset():
     conf = ConfidenceHead(H, R, False, True, [1.0, 3.0])
     h = torch.randn(4, H)
     logits = conf.logits(h)
-    torch.testing.assert_close(conf(h), torch.sigmoid(logits / torch.tensor([1.0, 3.0, 3.0, 3.0])))
-    torch.testing.assert_close(conf(h, start=1), torch.sigmoid(logits / 3.0))
+    atol = confidence_tolerance(conf, float(h.abs().max()), 4, sides=2)
+    torch.testing.assert_close(conf(h), torch.sigmoid(logits / torch.tensor([1.0, 3.0, 3.0, 3.0])), atol=atol, rtol=0)
+    torch.testing.assert_close(conf(h, start=1), torch.sigmoid(logits / 3.0), atol=atol, rtol=0)
     plain = ConfidenceHead(H, R, False, True)
-    torch.testing.assert_close(plain(h), torch.sigmoid(plain.logits(h)))  # no table: T = 1
+    atol = confidence_tolerance(plain, float(h.abs().max()), 4, sides=2)
+    torch.testing.assert_close(plain(h), torch.sigmoid(plain.logits(h)), atol=atol, rtol=0)  # no table: T = 1
     assert conf.select_hidden(h, h + 1) is h
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 from dspark_grpc.runtime.drafting.markov import ConfidenceHead, MarkovHead, draft_chain
+from tolerance import log_softmax_error
+
+from .reference import z_bound
 
 V_T, V_D, R, H = 9, 5, 4, 6
 
@@ -34,12 +37,15 @@ def test_first_token_frequencies_match_softmax_of_corrected_logits():
     z0 = u[0] + markov.w2.weight @ markov.w1.weight[7]
     want = torch.softmax(z0 / temperature, -1)
     assert want.max() < 0.9
+    # log_softmax of the chain's Z / T against log(softmax(z0 / T)): each side's log-softmax bound, Z's error / T
+    z_max, z_error = z_bound(u, markov, h)
+    atol = 2 * log_softmax_error(V_D, z_max / temperature, z_error / temperature)
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(V_D)
     for _ in range(n):
         chain = draft_chain(u, h, h, 7, markov, None, temperature=temperature, generator=g)
         counts[chain.tokens[0]] += 1
-        torch.testing.assert_close(chain.logprobs[0], want[chain.tokens[0]].log())
+        torch.testing.assert_close(chain.logprobs[0], want[chain.tokens[0]].log(), atol=atol, rtol=0)
     assert (counts / n - want).abs().max() < 0.03  # ~4 standard errors at n = 4000
 
 
@@ -53,4 +59,5 @@ def test_sampling_maps_through_d2t_and_feeds_the_target_id_forward():
                         generator=torch.Generator().manual_seed(1))
     assert chain.tokens[0] == 2
     want = torch.log_softmax(u[1] + markov.w2.weight @ markov.w1.weight[2], -1)[chain.tokens[1] // 2]
-    torch.testing.assert_close(chain.logprobs[1], want)
+    z_max, z_error = z_bound(u[1:], markov, torch.zeros(1, H))
+    torch.testing.assert_close(chain.logprobs[1], want, atol=2 * log_softmax_error(V_D, z_max, z_error), rtol=0)

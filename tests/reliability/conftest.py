@@ -20,6 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 MAX_SESSIONS = 16
 # Loads GGUF weights for the default target (and the random drafter's embedding): a busy 2-core machine is slow
 START_TIMEOUT = 300.0
+# The bound of a wait for something the services do at once (a reply, a session freed): only a hang reaches it, on a
+# machine ten times slower than a developer's too. Waits poll, so they end as soon as the condition holds.
+HANG_S = 120.0
 
 
 @dataclass
@@ -80,7 +83,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, every: 
     return time.monotonic() - t0
 
 
-def health(address: str, service_name: str = "", timeout: float = 5.0) -> int | None:
+def health(address: str, service_name: str = "", timeout: float = HANG_S) -> int | None:
     """The health status, None when the service does not answer."""
     with grpc.insecure_channel(address) as channel:
         try:
@@ -92,12 +95,14 @@ def health(address: str, service_name: str = "", timeout: float = 5.0) -> int | 
 
 def target_info(address: str) -> target_pb2.GetModelInfoResponse:
     with grpc.insecure_channel(address) as channel:
-        return target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=10)
+        return target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(),
+                                                                        timeout=HANG_S)
 
 
 def drafter_info(address: str) -> draft_pb2.GetDrafterInfoResponse:
     with grpc.insecure_channel(address) as channel:
-        return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(), timeout=10)
+        return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
+                                                                         timeout=HANG_S)
 
 
 def live_sessions(target_address: str, draft_address: str | None = None) -> tuple[int, int]:

@@ -34,7 +34,16 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability.conftest import START_TIMEOUT, Ops, Service, draft_args, health, live_sessions, wait_until
+from tests.reliability.conftest import (
+    HANG_S,
+    START_TIMEOUT,
+    Ops,
+    Service,
+    draft_args,
+    health,
+    live_sessions,
+    wait_until,
+)
 
 SEED = 20261201
 MESSAGES, LONG_MESSAGES = 800, 50_000
@@ -673,7 +682,7 @@ def test_fuzz_every_rpc_and_session_op(fuzz_target: Service, fuzz_drafter: Servi
 
     for address in (fuzz_target.address, fuzz_drafter.address):
         assert health(address) == health_pb2.HealthCheckResponse.SERVING
-    wait_until(lambda: live_sessions(fuzz_target.address, fuzz_drafter.address) == (0, 0), 30,
+    wait_until(lambda: live_sessions(fuzz_target.address, fuzz_drafter.address) == (0, 0), HANG_S,
                "every fuzzed session released once its stream ended")
 
     # a normal request afterwards: speculation through the fuzzed drafter gives AR's tokens

@@ -16,33 +16,33 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation.channel import SessionStream
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability.conftest import Service, drafter_info, health, service, wait_until
+from tests.reliability.conftest import HANG_S, Service, drafter_info, health, service, wait_until
 from tests.reliability.lifecycle_helpers import join_all, start_load
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def _exit_seconds(proc, t0: float, bound: float) -> float:
+def _exit_seconds(proc, t0: float, bound: float, since: str = "SIGTERM") -> float:
     try:
         proc.wait(bound)
     except Exception:  # noqa: BLE001 - TimeoutExpired: reported as the failure
-        raise AssertionError(f"the target did not exit within {bound:g} s of SIGTERM") from None
+        raise AssertionError(f"the target did not exit within {bound:g} s of {since}") from None
     return time.monotonic() - t0
 
 
 def _drafting(drafter: Service) -> None:
     """Wait until the target drafts for the load (its draft sessions are open on the drafter)."""
-    wait_until(lambda: drafter_info(drafter.address).live_sessions > 0, 60, "the target's sessions drafting")
+    wait_until(lambda: drafter_info(drafter.address).live_sessions > 0, HANG_S, "the target's sessions drafting")
 
 
 def _drafter_freed(drafter: Service) -> None:
-    wait_until(lambda: drafter_info(drafter.address).live_sessions == 0, 30,
+    wait_until(lambda: drafter_info(drafter.address).live_sessions == 0, HANG_S,
                "the drafter freed the stopped target's sessions")
 
 
 def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it(drafter: Service):
-    grace = 120.0
+    grace = 600.0  # far past HANG_S: a target held to the grace period's end fails the exit's bound below
     with service("target", ["--grace", str(grace), "--drafter", drafter.address]) as target:
         watched: list[int] = []
         watch_channel = grpc.insecure_channel(target.address)
@@ -59,17 +59,18 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it(drafter: Serv
         t_term = time.monotonic()
         target.process.send_signal(signal.SIGTERM)
         # health keeps answering during the grace period, with NOT_SERVING; a new call is refused with UNAVAILABLE
-        wait_until(lambda: health(target.address, timeout=2) == NOT_SERVING, 30, "health NOT_SERVING after SIGTERM")
+        wait_until(lambda: health(target.address) == NOT_SERVING, HANG_S, "health NOT_SERVING after SIGTERM")
         with grpc.insecure_channel(target.address) as channel:
             try:
-                target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=10)
+                target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(),
+                                                                         timeout=HANG_S)
                 raise AssertionError("a new call was accepted while draining")
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE, e
         # calls under way go on: the held stream still verifies, the load finishes
         tree = common_pb2.TokenTree(tokens=[pre.next_token], parents=[-1])
         assert _ok(held, 3, verify=target_pb2.Verify(session_id=sid, tree=tree, commit=True)).verified.committed
-        hung = join_all(threads, grace)
+        hung = join_all(threads, HANG_S)
         assert not hung, f"calls {hung} never returned: {[len(o.token_ids) for o in outcomes]} tokens"
         assert all(o.code == 0 for o in outcomes), [(o.code, o.message) for o in outcomes]
         assert [len(o.token_ids) for o in outcomes] == [24] * len(outcomes)
@@ -79,11 +80,9 @@ def test_sigterm_drains_serves_health_and_a_watch_does_not_hold_it(drafter: Serv
 
         held.close()
         t_last = time.monotonic()
-        exited = _exit_seconds(target.process, t_term, grace + 5)
-        # the Watch saw NOT_SERVING and did not keep the server up until the grace period's end
+        # the Watch did not keep the server up until the grace period's end: it exits once the last call ended
+        exited = _exit_seconds(target.process, t_last, HANG_S, "the last call's end") + t_last - t_term
         assert NOT_SERVING in watched
-        assert t_term + exited - t_last < 15, f"exit {exited:.1f} s after SIGTERM, the last call ended at " \
-                                              f"{t_last - t_term:.1f} s"
         _drafter_freed(drafter)
         print(f"\nSIGTERM drain: last call ended {t_last - t_term:.2f} s, exit {exited:.2f} s after SIGTERM "
               f"(grace {grace:g} s, a health Watch open)")
@@ -101,9 +100,9 @@ def test_sigterm_past_the_grace_period_ends_every_call_with_a_status(drafter: Se
         _drafting(drafter)
         t_term = time.monotonic()
         target.process.send_signal(signal.SIGTERM)
-        hung = join_all(threads, grace + 10)
-        assert not hung, f"calls {hung} still running {grace + 10:g} s after SIGTERM"
-        exited = _exit_seconds(target.process, t_term, grace + 10)
+        hung = join_all(threads, grace + HANG_S)
+        assert not hung, f"calls {hung} still running {grace + HANG_S:g} s after SIGTERM"
+        exited = _exit_seconds(target.process, t_term, grace + HANG_S)
         codes = [o.code for o in outcomes]
         # the server ends them itself, with a status that says why (not a cancelled stream)
         assert codes == [UNAVAILABLE] * len(outcomes), [(o.code, o.message) for o in outcomes]

@@ -12,10 +12,9 @@ import grpc
 import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-from tests.reliability.conftest import Ops, Service, rss_mb, service, target_info, wait_until
+from tests.reliability.conftest import HANG_S, Ops, Service, rss_mb, service, target_info, wait_until
 
 PER_PRINCIPAL = 3
-HANG_BOUND_S = 30.0  # only catches a hang; the measured times are in docs/RELIABILITY.md
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -46,7 +45,7 @@ def target_ops(channel: grpc.Channel, metadata: tuple = ()) -> Ops:
 def generate_error(channel: grpc.Channel, **fields) -> grpc.RpcError:
     request = target_pb2.GenerateRequest(**{"prompt": common_pb2.Prompt(text="Hi"), "max_new_tokens": 2, **fields})
     with pytest.raises(grpc.RpcError) as e:
-        list(target_pb2_grpc.TargetServiceStub(channel).Generate(request, timeout=HANG_BOUND_S))
+        list(target_pb2_grpc.TargetServiceStub(channel).Generate(request, timeout=HANG_S))
     return e.value
 
 
@@ -65,7 +64,7 @@ def test_a_32_mib_text_prompt_is_refused_before_tokenizing(target: Service, chan
         assert error.code() == INVALID and "characters" in error.details(), error.details()
         print(f"\n32 MiB text prompt, Generate ({attempt}): {error.code().name} in {seconds:.2f} s, target RSS "
               f"{growth:+.0f} MiB")
-        assert seconds < HANG_BOUND_S
+        assert seconds < HANG_S
 
     ops = target_ops(channel)
     sid = ops.ok(open=target_pb2.OpenSession()).session_id
@@ -187,9 +186,9 @@ def test_undecodable_bytes_are_invalid_argument(channel: grpc.Channel, method: s
     call = getattr(channel, streaming)(method)  # no serializers: raw bytes both ways
     with pytest.raises(grpc.RpcError) as e:
         if streaming == "unary_unary":
-            call(corrupt, timeout=HANG_BOUND_S)
+            call(corrupt, timeout=HANG_S)
         else:
-            list(call(corrupt if streaming == "unary_stream" else iter([corrupt]), timeout=HANG_BOUND_S))
+            list(call(corrupt if streaming == "unary_stream" else iter([corrupt]), timeout=HANG_S))
     assert e.value.code() == INVALID and "protobuf" in e.value.details(), e.value.details()
 
 
@@ -265,7 +264,7 @@ def test_a_draft_round_reaches_only_its_own_streams_sessions(target: Service, ng
 
 
 def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.Channel):
-    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_BOUND_S,
+    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_S,
                "the earlier tests' streams released their sessions")
     mine = target_ops(channel)
     for _ in range(PER_PRINCIPAL):
@@ -278,7 +277,7 @@ def test_one_principal_cannot_take_every_session(target: Service, channel: grpc.
     theirs.ok(open=target_pb2.OpenSession())
     mine.close()
     theirs.close()
-    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_BOUND_S,
+    wait_until(lambda: target_info(target.address).live_sessions == 0, HANG_S,
                "a stream's sessions released when the server sees it end")
 
 

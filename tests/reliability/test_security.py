@@ -74,8 +74,8 @@ def security(pki: Path, token: str | None = None, cert: str | None = None) -> Ch
 def serving(address: str, sec: ChannelSecurity) -> bool:
     with make_channel(address, sec) as channel:
         try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status
+            return status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
 

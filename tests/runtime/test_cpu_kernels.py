@@ -22,6 +22,7 @@ from dspark_grpc.runtime.kernels.quant import (
 )
 from dspark_grpc.runtime.models.linear import FusedProjection, Linear
 from isa_checks import bf16_within_bound
+from tolerance import assert_within, gamma, linear_error_bound, unit_roundoff
 
 Q = gguf.GGMLQuantizationType
 
@@ -60,6 +61,22 @@ def llama_cpp_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
     return (dots * d[None] * dx.double()[:, None]).sum(-1) + (m[None] * xb.double().sum(-1)[:, None]).sum(-1)
 
 
+def block_arithmetic_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 arithmetic of llama.cpp's formula against the same formula in float64 (the same codes):
+    per block d_w * d_x * (exact integer dot), then a sum over the blocks (gamma_{blocks+3} of their magnitudes,
+    |d_w q_w| <= |w| + |m| with |m| <= the block's max |w|, |x'| <= |x| + max|x| / 254), plus m times the block's
+    float sum of x (gamma_{blocks+34}), the bias and the output."""
+    def block_max(t: torch.Tensor) -> torch.Tensor:
+        b = t.double().abs().unflatten(-1, (-1, 32))
+        return b.amax(-1, keepdim=True).expand(b.shape).flatten(-2)
+
+    nb, x_abs = x.shape[-1] // 32, x.double().abs()
+    codes = (x_abs + block_max(x) / 254) @ (w.abs() + block_max(w)).T
+    offsets = x_abs @ block_max(w).T
+    return (gamma(nb + 3) * codes + gamma(nb + 34) * offsets
+            + unit_roundoff() * (2 * bias.double().abs() + codes + offsets))
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 @pytest.mark.parametrize("shape", [(64, 96), (40, 64), (960, 576), (576, 1536)])  # odd block counts, padded rows
@@ -73,10 +90,11 @@ def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
     expected = llama_cpp_reference(x, blocks) + bias.double()
     got = weight(x, out_dtype=torch.float32).double()
     assert got.shape == (13, shape[0])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    exact = x.double() @ torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double().reshape(
-        shape).T + bias.double()
-    assert not torch.allclose(got, exact, rtol=1e-6, atol=0)  # int8 activations: not the float matmul...
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double().reshape(shape)
+    assert_within(got, expected, block_arithmetic_bound(x, dequantized, bias))
+    exact = x.double() @ dequantized.T + bias.double()
+    # int8 activations: not the float matmul (outside its float32 rounding bound somewhere)...
+    assert not bool(((got - exact).abs() <= linear_error_bound(x, dequantized, bias)).all())
     assert (got - exact).norm() < 0.05 * exact.norm()  # ...but close to it
 
 
@@ -158,7 +176,16 @@ def test_row_attention_writes_the_rows_and_attends_over_each_rows_slot(H, KV, D)
             values = expected_v[slots[r], h // (H // KV), :C].double()
             scores = keys @ q[r, h].double() / D**0.5
             p = torch.softmax(scores.masked_fill(~mask[r], float("-inf")), dim=0)
-            torch.testing.assert_close(got[r, h].double(), p @ values, atol=1e-2, rtol=1e-2)
+            # bf16 products exact in float32: a score errs by gamma_{D+1} |q| |k| / sqrt(D), and by u |s - max s|
+            # once shifted; each weight p_c then by 2 max|ds| relative, its exp (~2 ulp) and the sums of C
+            # (gamma_{2C+10}); the output rounds to bf16
+            visible = mask[r, :C]
+            score_err = gamma(D + 1) * float((keys.abs() @ q[r, h].double().abs())[visible].max()) / D**0.5 \
+                + 2 * unit_roundoff() * float(scores[visible].abs().max())
+            u16 = unit_roundoff(torch.bfloat16)
+            rounding = u16 / (1 - u16) * got[r, h].double().abs()
+            bound = (2 * score_err + gamma(2 * C + 10)) * (p @ values.abs()) + rounding
+            assert_within(got[r, h], p @ values, bound)
     for r in range(R):  # each row alone (the others already written) computes the same bits
         alone = cpu_kernels.row_attention(q[r : r + 1], k[r : r + 1], v[r : r + 1], *stores, slots[r : r + 1],
                                           write_rows[r : r + 1], mask[r : r + 1])

@@ -11,6 +11,7 @@ from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.runtime.kernels.quant import INT4_TYPES, Int4Weight, QuantBlocks, dequantize_blocks, int4_available
 from dspark_grpc.runtime.models.linear import Linear, matmul_kind
 from dspark_grpc.serving.cost_profile import target_key
+from tolerance import assert_within, gamma, linear_error_bound, unit_roundoff
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")
 Q = gguf.GGMLQuantizationType
@@ -39,11 +40,18 @@ def test_int4_matmul_with_float32_scales_is_the_dequantized_matmul(qtype):
     x = torch.randn(5, 64, generator=g)
     expected = x.double() @ weight.double().T + bias.double()
     exact = Int4Weight.of(parts, torch.float32, bias)  # fp32 scales: the weights bit for bit (scalar kernel)
-    torch.testing.assert_close(exact(x).double(), expected, rtol=1e-5, atol=1e-5)
+    assert_within(exact(x), expected, linear_error_bound(x, weight, bias))
     fast = Int4Weight.of(parts, torch.bfloat16, bias)  # what the fast precision runs: bf16 scales and rows
     got = fast(x.bfloat16()).double()
     assert got.shape == (5, 96)
-    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    # bf16 rows (u |x|), a block's scale and offset in bf16 (u (8 d + |m| + 8 d) <= 4 u max|w| of its 32 weights:
+    # 15 d <= 2 max|w|, |m| <= max|w|), float32 sums (gamma_65), the bias and the output rounded to bf16
+    u = unit_roundoff(torch.bfloat16)
+    block_max = weight.abs().view(96, 2, 32).amax(-1, keepdim=True).expand(96, 2, 32).reshape(96, 64)
+    x_abs, sums = x.double().abs(), gamma(65) * (1 + u)
+    bound = ((u + sums) * (x_abs @ weight.double().abs().T) + 4 * u * (1 + sums) * (x_abs @ block_max.double().T)
+             + u * bias.double().abs() + u / (1 - u) * got.abs())
+    assert_within(got, expected, bound)
 
 
 @pytest.fixture(scope="module")

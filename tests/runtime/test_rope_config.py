@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 from dspark_grpc.runtime.models.config import RopeScaling, config_from_gguf, config_from_hf
-from dspark_grpc.runtime.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from dspark_grpc.runtime.models.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half
+from tolerance import assert_within, gamma, rope_inv_freq_error, unit_roundoff
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -75,8 +76,8 @@ def test_inv_freq_and_scaling_match_hf(name):
     ours = config_from_hf(config.to_dict())
     inv_freq, scale = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
     assert inv_freq.dtype == torch.float32 and inv_freq.shape == (ours.head_dim // 2,)
-    torch.testing.assert_close(inv_freq, expected, rtol=1e-6, atol=0)
-    assert scale == pytest.approx(expected_scale, rel=1e-12)
+    torch.testing.assert_close(inv_freq, expected, rtol=2 * rope_inv_freq_error(ours.rope_theta), atol=0)
+    assert scale == pytest.approx(expected_scale, rel=1e-12)  # a few float64 ops: within ~1e-15
     assert (ours.rope_scaling is None) == (name == "default")
 
 
@@ -89,11 +90,18 @@ def test_cos_sin_and_rotation_match_hf(name):
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(q, positions[None])
     inv_freq, scale = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
     cos, sin = rope_cos_sin(positions, inv_freq, scale, torch.float32)
-    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
+    # the angles p * inv_freq differ by the two sides' inv_freq errors and their own rounding (u each) times the
+    # largest angle; cos and sin are 1-Lipschitz, evaluated within 1 ulp (2 u) and scaled (u), on each side
+    u = unit_roundoff()
+    angle = float(positions.max()) * float(inv_freq.max())
+    atol = scale * (angle * (2 * rope_inv_freq_error(ours.rope_theta) + 2 * u) + 6 * u)
+    torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=atol)
+    torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=atol)
     hf_q, hf_k = apply_rotary_pos_emb(q, k, hf_cos, hf_sin)
-    torch.testing.assert_close(apply_rope(q[0], cos, sin), hf_q[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(apply_rope(k[0], cos, sin), hf_k[0], rtol=0, atol=1e-5)
+    for x, hf_x in ((q[0], hf_q[0]), (k[0], hf_k[0])):
+        # x cos + rotate_half(x) sin: the cos/sin differences times |x|, plus each side's two products and sum
+        magnitude = x.abs() + rotate_half(x).abs()
+        assert_within(apply_rope(x, cos, sin), hf_x, (atol + 2 * gamma(2) * scale) * magnitude)
 
 
 def _hf_json(**overrides) -> dict:

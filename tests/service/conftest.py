@@ -17,10 +17,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICE = "dspark.v1.TargetService"
 MAX_SESSIONS = 4
+# The shared drafter: a target's worth of draft sessions (one principal, the target's link) and the reserve kept for
+# principals that hold none (serving/sessions.py), as the draft service's defaults are laid out.
+DRAFT_MAX_SESSIONS = MAX_SESSIONS + 1
 MAX_MESSAGE_BYTES = 4 << 20
 # Lossless tests assert that speculation ran without falling back: a drafter call on a busy CI machine (the fused
 # kernel runs in Triton's interpreter here) must not hit the 10 s default and turn the request target-only.
 SLOW_MACHINE_DRAFT_TIMEOUT = 300.0
+# The bound of a wait for something the service does at once (an answer, a session freed): only a hang reaches it, on
+# a machine ten times slower than a developer's too. Waits poll, so they end as soon as the condition holds.
+HANG_S = 120.0
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +44,8 @@ def target_address() -> str:
 @pytest.fixture(scope="session")
 def draft_address() -> str:
     """A seeded random drafter for the default target; the CPU Triton interpreter on, so 'fused' can run."""
-    args = ["--drafter", "random", "--seed", "0", "--max-sessions", str(MAX_SESSIONS), "--quiet", "--no-cost-profile"]
+    args = ["--drafter", "random", "--seed", "0", "--max-sessions", str(DRAFT_MAX_SESSIONS), "--quiet",
+            "--no-cost-profile"]
     with local_drafter(args, echo=False, env={"TRITON_INTERPRET": "1"}) as address:
         with TargetClient(address) as probe:
             probe.wait_ready(timeout=300)
@@ -103,8 +110,12 @@ def client(target_address: str):
 class RawSession:
     """A TargetSession stream for tests: send ops, get responses (status not checked)."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+    def __init__(self, address: str, own_connection: bool = False) -> None:
+        """own_connection: a connection of its own, so another principal (a process's channels of equal options
+        share one connection)."""
+        options = [("grpc.max_send_message_length", 64 << 20), *([("grpc.use_local_subchannel_pool", 1)]
+                                                                  if own_connection else [])]
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stream = SessionStream(target_pb2_grpc.TargetServiceStub(self.channel).TargetSession, timeout=300)
         self.next_id = 0
 
@@ -134,11 +145,21 @@ def raw(target_address: str):
 def health_status(address: str, service: str = SERVICE) -> int:
     with grpc.insecure_channel(address) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
-        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=HANG_S).status
 
 
 def assert_serving(address: str) -> None:
     assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_live_sessions(address: str, wanted: int, timeout: float = HANG_S) -> None:
+    """Until the target at `address` counts `wanted` live sessions (GetModelInfo); fails the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        while (live := stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=HANG_S).live_sessions) != wanted:
+            assert time.monotonic() < deadline, f"{live} live sessions on {address}, not {wanted}, after {timeout:g} s"
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

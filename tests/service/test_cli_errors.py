@@ -92,7 +92,7 @@ def test_a_target_whose_drafter_does_not_answer_says_so_and_serves():
         proc.terminate()
         proc.wait(timeout=60)
         for reader in readers:
-            reader.join(10)
+            reader.join(60)
     err = "".join(errors)
     warnings = [line for line in err.splitlines() if "warning: drafter" in line]
     assert len(warnings) == 1 and "Traceback" not in err, err
@@ -162,11 +162,11 @@ def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
         assert children
         proc.send_signal(sig)
         proc.wait(timeout=60)
-        reader.join(10)
+        reader.join(60)
         err = "".join(lines)
         assert proc.returncode == 130, err
         assert "Traceback" not in err and "dspark: error: interrupted" in err
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        gone, alive = psutil.wait_procs(children, timeout=60)
         assert not alive
     finally:  # only what this test started: the session's services are children of this process too
         for p in children:
@@ -223,8 +223,8 @@ def test_a_killed_launcher_takes_its_services_with_it():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         launcher.kill()
-        launcher.wait(timeout=30)
-        gone, alive = psutil.wait_procs([child], timeout=30)
+        launcher.wait(timeout=60)
+        gone, alive = psutil.wait_procs([child], timeout=60)
         assert not alive  # (not our child: its exit code cannot be read here)
     finally:
         if launcher.poll() is None:

@@ -104,7 +104,7 @@ def _verify_costs(address: str) -> list:
     channel = make_channel(address)
     try:
         return list(target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(target_pb2.GetModelInfoRequest(),
-                                                                            timeout=30).verify_costs)
+                                                                            timeout=60).verify_costs)
     finally:
         channel.close()
 

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def proposals(metrics_url: str) -> float:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    text = urllib.request.urlopen(metrics_url, timeout=60).read().decode()
     return sum(float(v) for v in re.findall(r"^dspark:draft_proposals_total\{[^}]*\} (\S+)$", text, re.M))
 
 

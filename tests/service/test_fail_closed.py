@@ -9,7 +9,7 @@ import grpc
 from dspark_grpc.client import TargetClient
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
-from tests.service.conftest import MAX_SESSIONS, target_with_drafter
+from tests.service.conftest import DRAFT_MAX_SESSIONS, HANG_S, target_with_drafter
 
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 NO_PROFILE_RANDOM = ["--drafter", "random", "--quiet", "--no-cost-profile"]
@@ -30,22 +30,22 @@ def test_cancelled_request_frees_its_sessions_on_both_services(spec_target_addre
     def drafter_info() -> draft_pb2.GetDrafterInfoResponse:
         with grpc.insecure_channel(draft_address) as channel:
             return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
-                                                                           timeout=30)
+                                                                           timeout=HANG_S)
 
     # more requests than the drafter has session slots: a request whose draft session was not freed would make a
     # later request's drafter open fail, and that request would not speculate
-    assert drafter_info().max_sessions == MAX_SESSIONS
+    assert drafter_info().max_sessions == DRAFT_MAX_SESSIONS
     with TargetClient(spec_target_address) as client:
-        for _ in range(MAX_SESSIONS + 1):
+        for _ in range(DRAFT_MAX_SESSIONS + 1):
             stream = client.stream(messages=MESSAGES, max_new_tokens=200, ignore_eos=True, mode="speculation")
             for _ in range(3):  # the prefill's token, then two steps
                 next(stream)
-            opened_by = time.monotonic() + 30
+            opened_by = time.monotonic() + HANG_S
             while drafter_info().live_sessions != 1:  # this request's draft session (the ones before it are freed)
                 assert time.monotonic() < opened_by, "the request's draft session never opened"
                 time.sleep(0.05)
             stream.close()  # the caller walks away mid-generation
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while True:
         with TargetClient(spec_target_address) as target:
             target_live = target.model_info().live_sessions
@@ -122,7 +122,7 @@ def test_generate_exports_spec_decode_metrics(spec_target):
             prompt=common_pb2.Prompt(text="Repeat: a b c, a b c, a b c,"), max_new_tokens=16,
             mode=common_pb2.DECODE_MODE_SPECULATION), timeout=120))
     stats = out[-1].stats
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=HANG_S).read().decode()
 
     def value(name: str) -> float:
         found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.M)

@@ -37,7 +37,7 @@ class Target:
 
     def finished_requests(self) -> int:
         """The target's own count of finished requests (its Prometheus counter, all modes)."""
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        text = urllib.request.urlopen(self.metrics_url, timeout=60).read().decode()
         return int(sum(float(v) for v in re.findall(r'^dspark:requests_total\{[^}]*\} (\S+)$', text, re.M)))
 
 

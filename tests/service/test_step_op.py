@@ -58,7 +58,7 @@ def test_a_rollback_keeps_the_session_drafting_and_replays_the_same_tokens(sessi
 
 
 def draft_ahead_count(metrics_url: str) -> float:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    text = urllib.request.urlopen(metrics_url, timeout=60).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("dspark:draft_ahead_total{"))
 

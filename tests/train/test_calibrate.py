@@ -16,6 +16,8 @@ from dspark_grpc.runtime.train.calibrate import (
     survival_labels,
     validated_temperatures,
 )
+from heads.reference import confidence_tolerance
+from tolerance import gamma
 
 from .conftest import tiny_config
 
@@ -32,9 +34,10 @@ def test_ece_by_hand():
 def test_survival_and_labels():
     logits = torch.tensor([[0.0, 0.0, 2.0]])
     s = torch.sigmoid(torch.tensor([0.0, 0.0, 2.0]))
-    torch.testing.assert_close(survival(logits), s.cumprod(0)[None])
+    # each side: a divide by T (u |l| / 4 through sigmoid, |l| <= 2), sigmoid (gamma_3), a product of 3 (gamma_2)
+    torch.testing.assert_close(survival(logits), s.cumprod(0)[None], atol=2 * gamma(6), rtol=0)
     scaled = torch.sigmoid(torch.tensor([0.0, 0.0, 0.5])).cumprod(0)[None]
-    torch.testing.assert_close(survival(logits, [1.0, 2.0, 4.0]), scaled)
+    torch.testing.assert_close(survival(logits, [1.0, 2.0, 4.0]), scaled, atol=2 * gamma(6), rtol=0)
     assert survival_labels(torch.tensor([0, 2, 3]), 3).tolist() == [[False] * 3, [True, True, False], [True] * 3]
 
 
@@ -71,7 +74,9 @@ def test_temperatures_travel_with_the_drafter(tmp_path):
     drafter = init_random_drafter(tiny_config(), num_layers=1, target_layer_ids=(1,), markov_rank=4)
     apply_temperatures(drafter, [2.0, 1.5, 1.0, 0.5])
     h, e = torch.randn(4, 32), torch.randn(4, 4)
+    atol = confidence_tolerance(drafter.confidence, max(float(h.abs().max()), float(e.abs().max())), 4, sides=2)
     torch.testing.assert_close(drafter.confidence(h, e),
-                               torch.sigmoid(drafter.confidence.logits(h, e) / torch.tensor([2.0, 1.5, 1.0, 0.5])))
+                               torch.sigmoid(drafter.confidence.logits(h, e) / torch.tensor([2.0, 1.5, 1.0, 0.5])),
+                               atol=atol, rtol=0)
     save_drafter(drafter, tmp_path / "d", layout="speculators")
     assert drafter_config_from_hf(read_hf_config(tmp_path / "d")).confidence_temperatures == (2.0, 1.5, 1.0, 0.5)
