@@ -8,8 +8,10 @@ sessions then verify in one target forward (`on_round` tells the target's batche
 fails (timeout, a dropped stream, the drafter's health probe failing) fails the drafting of every session in it;
 their draft sessions lived on that stream, so a session opened on an earlier stream stops drafting, and new
 sessions open on a new stream. When no round is under way or forming, a step's round is not handed to the
-batcher's worker: the step's own thread sends it, and the reply finishes it on the stream's reader thread
-(`submit_ahead`; the draft timeout then applies in `result`).
+batcher's worker: the step's own thread sends it, and the reply completes it on the stream's reader thread
+(`submit_ahead`; the draft timeout then applies in `result`). The reader thread only completes futures: the round
+is planned (its chains cut together, the sessions about to verify told) by the first step thread that takes one of
+its replies (`result`, `RoundSettlement`).
 
 The sessions of a round verify, then ask for their next proposals (drafted ahead) within about one forward. A round
 that formed meanwhile would split the sessions into groups that alternate between the drafter and the target, and
@@ -56,8 +58,26 @@ class RoundReply:
     replies: list[draft_pb2.DraftSessionResponse] | None  # one per op of the job; None when the round failed
     error: str = ""
     depth: int | None = None  # how much of its chain to verify, decided for the round (None: not decided)
-    seconds: float = 0.0  # from the job's submission to this reply, planned (StepReport.round_seconds)
+    seconds: float = 0.0  # from the job's submission to this reply (StepReport.round_seconds)
     drafter_seconds: float = 0.0  # of which the draft service's time on the round (DraftRoundResult.handle_seconds)
+    settlement: RoundSettlement | None = field(default=None, repr=False)  # its round's planning (`result` runs it)
+
+
+class RoundSettlement:
+    """A round's planning, run once, by the first step thread that takes one of its replies (`DraftRounds.result`):
+    the chains cut together (`plan`), the next round told to wait for the sessions about to verify, and the target
+    told to expect their verifies (`on_round`). `thread` is the thread that ran it."""
+
+    def __init__(self, rounds: DraftRounds, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
+        self.rounds, self.jobs, self.replies = rounds, jobs, replies
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.thread is None:
+                self.thread = threading.current_thread()
+                self.rounds._settle(self.jobs, self.replies)
 
 
 class DraftRounds:
@@ -108,9 +128,13 @@ class DraftRounds:
         return reply
 
     def result(self, reply: Future) -> RoundReply:
-        """A submitted job's RoundReply. A round sent from the asking thread has no worker bounding its wait: the
-        draft timeout, from its sending, is applied here."""
-        return self._wait(reply) if isinstance(reply, _SentRound) else reply.result()
+        """A submitted job's RoundReply, its round planned (by this thread, if it is the round's first to come here).
+        A round sent from the asking thread has no worker bounding its wait: the draft timeout, from its sending, is
+        applied here."""
+        got = self._wait(reply) if isinstance(reply, _SentRound) else reply.result()
+        if got.settlement is not None:
+            got.settlement()
+        return got
 
     def release(self, drafting: SessionDrafting, op: draft_pb2.DraftSessionRequest,
                 after: Future | None = None) -> None:
@@ -218,30 +242,30 @@ class DraftRounds:
         return replies
 
     def _finish(self, jobs: list[RoundJob], replies: list[RoundReply | None], sent: _SentRound) -> None:
-        """The round's replies planned and timed, the sessions about to verify told, `sent` completed."""
-        try:
-            if self.plan is not None:
-                self.plan(jobs, replies)  # type: ignore[arg-type]
-            now = time.perf_counter()
-            for job, reply in zip(jobs, replies, strict=True):
-                reply.seconds = now - job.submitted  # type: ignore[union-attr]
-            # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
-            # step has not started yet, over a session stream, waits for its client)
-            stepping = [(job.drafting.session_id, reply.replies is not None)  # type: ignore[union-attr]
-                        for job, reply in zip(jobs, replies, strict=True)
-                        if job.ops and job.ops[-1].WhichOneof("op") == "propose"
-                        and (job.verify_follows or job.drafting.in_step)]
-            drafted = [sid for sid, ok in stepping if ok]  # (a failed one steps AR: no next round)
-            if self.next_round_s > 0 and drafted:
-                self.batcher.expect(drafted, self.next_round_s)
-            if self.on_round is not None:
-                self.on_round([sid for sid, _ in stepping])
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the round
-            self._idle.set()
-            sent.set_exception(e)
-            return
+        """The round's replies timed and given their settlement, `sent` completed (on the thread that read the
+        reply: nothing more)."""
+        now = time.perf_counter()
+        settlement = RoundSettlement(self, jobs, replies)  # type: ignore[arg-type]
+        for job, reply in zip(jobs, replies, strict=True):
+            reply.seconds, reply.settlement = now - job.submitted, settlement  # type: ignore[union-attr]
         self._idle.set()
         sent.set_result(replies)
+
+    def _settle(self, jobs: list[RoundJob], replies: list[RoundReply]) -> None:
+        """`RoundSettlement`'s work: the round planned, the sessions about to verify told."""
+        if self.plan is not None:
+            self.plan(jobs, replies)
+        # the sessions whose steps wait for this reply: they verify now (a step drafted ahead for a session whose
+        # step has not started yet, over a session stream, waits for its client)
+        stepping = [(job.drafting.session_id, reply.replies is not None)
+                    for job, reply in zip(jobs, replies, strict=True)
+                    if job.ops and job.ops[-1].WhichOneof("op") == "propose"
+                    and (job.verify_follows or job.drafting.in_step)]
+        drafted = [sid for sid, ok in stepping if ok]  # (a failed one steps AR: no next round)
+        if self.next_round_s > 0 and drafted:
+            self.batcher.expect(drafted, self.next_round_s)
+        if self.on_round is not None:
+            self.on_round([sid for sid, _ in stepping])
 
 
 class _SentRound(Future):

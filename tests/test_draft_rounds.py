@@ -117,7 +117,7 @@ def run_round(rounds: DraftRounds, sessions: list[SessionDrafting]) -> list:
     def step(s: SessionDrafting) -> None:
         replies[s.session_id] = rounds.submit(RoundJob(s, s.round_ops(anchor=5, position=3, proposer=1)))
 
-    threads = [threading.Thread(target=step, args=(s,)) for s in sessions]
+    threads = [threading.Thread(target=step, args=(s,), name=f"step-{s.session_id}") for s in sessions]
     for t in threads:
         t.start()
     while rounds.batcher.queued() < len(sessions):
@@ -275,7 +275,7 @@ def test_a_session_whose_client_has_not_sent_its_next_step_is_not_waited_for():
     busy.in_step = True  # (idle.in_step stays False: between its client's steps)
     ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
              for s in (idle, busy)]
-    assert all(f.result(HANG_S).replies is not None for f in ahead)
+    assert all(rounds.result(f).replies is not None for f in ahead)  # as the steps take them: planned
     other = drafting("other")
     done = threading.Thread(target=rounds.submit,
                             args=(RoundJob(other, other.round_ops(anchor=6, position=4, proposer=1)),))
@@ -328,7 +328,7 @@ def test_the_target_expects_the_verifies_of_the_sessions_whose_steps_wait_for_th
     ahead = [rounds.submit_ahead(RoundJob(s, s.round_ops(anchor=6, position=4, proposer=1), False))
              for s in (waiting, idle)]
     gate.set()
-    assert all(f.result(HANG_S).replies is not None for f in ahead)
+    assert all(rounds.result(f).replies is not None for f in ahead)  # as the steps take them: planned
     blocker.join(HANG_S)
     assert [_proposing(r) for r in link.streams[-1].rounds][-1] == ["idle", "waiting"]
     assert sorted(heard[-1]) == ["waiting"]
@@ -398,4 +398,26 @@ def test_a_release_after_a_round_its_step_sent_goes_after_that_round():
     _wait_rounds(stream, 3)  # the release's round
     assert [[op.WhichOneof("op") for op in r.ops] for r in stream.rounds] == [["open", "propose"], ["propose"],
                                                                               ["release"]]
+    rounds.close()
+
+
+def test_a_round_is_planned_by_the_first_step_thread_that_takes_a_reply_never_by_the_reader():
+    """The link's reader thread only completes futures: the round's plan (its chains cut together) and what the
+    target is told run on the thread of the step that takes the round's reply first, once for the round."""
+    link, planned_on, heard_on = FakeLink(), [], []
+    rounds = DraftRounds(link, timeout_s=HANG_S, next_round_s=0.0,
+                         plan=lambda jobs, replies: planned_on.append((threading.current_thread(), len(jobs))),
+                         on_round=lambda ids: heard_on.append(threading.current_thread()))
+    a, b = drafting("a"), drafting("b")
+    run_round(rounds, [a, b])  # opens both: a round of two, taken by two step threads
+    assert len(planned_on) == 1 and planned_on[0][1] == 2 and len(heard_on) == 1
+    first_taker = planned_on[0][0]
+    assert first_taker.name.startswith("step-") and heard_on[0] is first_taker
+    ahead = rounds.submit_ahead(RoundJob(a, a.round_ops(anchor=6, position=4, proposer=1), False))
+    assert ahead.result(HANG_S).replies is not None  # the reply came back on the fake stream's reader thread...
+    assert len(planned_on) == 1  # ...which planned nothing
+    rounds.result(ahead)
+    assert planned_on[-1] == (threading.current_thread(), 1) and heard_on[-1] is threading.current_thread()
+    rounds.result(ahead)  # once per round
+    assert len(planned_on) == 2
     rounds.close()
