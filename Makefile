@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint protos clean llama-cpp check-dependencies gpu-check
+.PHONY: demo test lint protos clean llama-cpp check-dependencies gpu-check figures
 
 # The CPU build of torch by default (PyPI's default torch wheel brings ~3 GB of CUDA packages a CPU never uses);
 # `make TORCH_INDEX= ...` takes PyPI's CUDA build instead. An index that cannot be reached costs one warning: pip
@@ -38,6 +38,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m dspark_grpc.protos.generate --check
 	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
+
+# The docs' figures on this machine (docs/bench/figures.py; progress shown): every section's data, plot and table
+# into docs/figures/, then docs/PERFORMANCE.md's current figures; sized for at most 40 minutes on 2 cores.
+# QUICK=1: every section small (a few minutes) into runs/figures-quick/, docs untouched: a check, not figures.
+figures: $(STAMP)
+	$(BIN)/python docs/bench/figures.py $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 # On a CUDA machine (under 8 minutes): the CUDA tests, the fused Triton kernel against the torch path and the bench on
 # the device; figures in docs/bench/gpu-check.md (docs/bench/gpu_check.py). A venv it builds takes PyPI's (CUDA) torch.
