@@ -73,6 +73,7 @@ SLOW_FILES = (
     "tests/service/test_qwen35_service.py",
     "tests/reliability/test_security.py",
     "tests/runtime/test_compiled_step.py",
+    "tests/runtime/test_kernel_isas.py",
     "tests/acceptance/test_lossless.py",
     "tests/service/test_bench.py",
     "tests/service/test_demo.py",
