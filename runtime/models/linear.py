@@ -167,7 +167,8 @@ def quantize_linears(model: nn.Module) -> int:
 
 def bf16_linears(model: nn.Module) -> int:
     """The fast precision's float matrices, batch invariant by construction: every frozen bf16 `Linear` without
-    blocks gets its weight as BF16 blocks for runtime/kernels/gguf_matmul.cpp (`bf16_blocks`); one whose input size is
+    blocks gets its weight as BF16 blocks for runtime/kernels/gguf_matmul.cpp (`bf16_blocks`; its weight becomes a
+    meta tensor, as a GGUF's block matrices' are); one whose input size is
     not a multiple of 32, or every one where the CPU kernels do not build, multiplies row by row (`row_by_row`).
     Call before `pack_linears`; returns how many got blocks."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.blocks is None and not m.weight.requires_grad
@@ -176,6 +177,9 @@ def bf16_linears(model: nn.Module) -> int:
     for module in linears:
         if module.in_features % GROUP == 0 and cpu_kernels.available():
             module.blocks, module.packed = bf16_blocks(module.weight), None
+            # the blocks are the weight now: no second copy kept (as a GGUF's block matrices)
+            module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
+                                         requires_grad=False)
             with_blocks += 1
         else:
             module.row_by_row, module.packed = True, None
