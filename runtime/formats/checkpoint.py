@@ -16,10 +16,12 @@ by key head (HF) to tiled (in q/k/v's V rows, attn_gate, ssm_beta/alpha/a/dt, th
 columns): we undo that reordering.
 
 Precision: "exact" dequantizes every tensor to float32. "fast" keeps a GGUF's Q4_0/Q4_1 (and, where
-runtime/kernels/gguf_matmul.cpp's kernel builds, Q8_0) matrices as their raw blocks (Checkpoint.blocks; their entry in
-`weights` is a meta tensor of the right shape) for runtime/kernels/quant.py's matmuls, and a tied embedding's blocks for
-the lm_head (it is also dequantized, for the lookup); every other tensor is dequantized here (the model casts it
-to bf16). The services' default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3 GGUF.
+runtime/kernels/gguf_matmul.cpp's kernel builds, Q5_0/Q5_1/Q8_0 and the K-quants Q4_K/Q5_K/Q6_K: quant.block_types())
+matrices as their raw blocks (Checkpoint.blocks; their entry in `weights` is a meta tensor of the right shape) for
+runtime/kernels/quant.py's matmuls, each matrix multiplied in its own type (a mixed file such as a Q4_K_M, with Q4_K,
+Q6_K and fallback Q5_0/Q8_0 matrices, runs as one model), and a tied embedding's blocks for the lm_head (it is also
+dequantized, for the lookup); every other tensor is dequantized here (the model casts it to bf16). The services'
+default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3 GGUF.
 
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 from dspark_grpc.runtime.formats.gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
@@ -46,6 +49,7 @@ from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, QuantBlocks, block_ty
 from dspark_grpc.runtime.models.config import ModelConfig, config_from_gguf, config_from_hf
 from dspark_grpc.runtime.models.transformer import Transformer
 
+Q = gguf.GGMLQuantizationType
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRECISIONS = ("exact", "fast")
 
@@ -128,7 +132,7 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]  # our names, float32 (meta for the matrices in `blocks`)
     gguf_metadata: dict[str, Any] | None = None
     hf_dir: Path | None = None
-    blocks: dict[str, QuantBlocks] = field(default_factory=dict)  # precision "fast": Q4/Q8 matrices as stored
+    blocks: dict[str, QuantBlocks] = field(default_factory=dict)  # precision "fast": quantized matrices as stored
     head_blocks: QuantBlocks | None = None  # precision "fast": the tied embedding's blocks, for the lm_head
 
 
@@ -162,16 +166,17 @@ def auto_precision(path: str | os.PathLike[str], on_cpu: bool = True) -> tuple[s
         return "exact", "precision fast covers llama/qwen2/qwen3 models"
     if on_cpu and not int4_available():
         return "exact", "this torch has no CPU int4 matmul"
-    types = set(block_types() if on_cpu else BLOCK_TYPES)
-    quantized = sum(len(t.shape) == 2 and t.tensor_type in types for t in reader.tensors)
+    types = block_types() if on_cpu else BLOCK_TYPES
+    quantized = [Q(t.tensor_type) for t in reader.tensors if len(t.shape) == 2 and t.tensor_type in types]
     if not quantized:
-        return "exact", "no matrix of the file is stored as Q4_0/Q4_1/Q8_0 blocks"
-    return "fast", f"{quantized} of its matrices are stored as Q4_0/Q4_1/Q8_0 blocks"
+        return "exact", f"no matrix of the file is stored as {'/'.join(t.name for t in types)} blocks"
+    found = "/".join(t.name for t in types if t in quantized)
+    return "fast", f"{len(quantized)} of its matrices are stored as {found} blocks"
 
 
 def load_checkpoint(path: str | os.PathLike[str], progress: bool = True, precision: str = "exact") -> Checkpoint:
     """A .gguf file or an HF directory (config.json + safetensors); `progress` prints a line per stage.
-    precision "fast" keeps a GGUF's Q4_0/Q4_1 matrices as blocks (see the module docstring)."""
+    precision "fast" keeps a GGUF's quantized matrices as blocks (see the module docstring)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     p = Path(path)

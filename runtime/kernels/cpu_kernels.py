@@ -1,8 +1,9 @@
 """The fast precision's own CPU kernels, as torch ops (torch.ops.dspark.*):
 
-- `gguf_matmul` (runtime/kernels/gguf_matmul.cpp): GGUF Q4_0/Q4_1/Q8_0 blocks multiplied as llama.cpp multiplies them.
-  The weights keep the file's bits (0.56-1.06 bytes per weight, read once per step); each activation row is
-  quantized to int8 per block of 32 and the block dots are exact integer sums. Another precision than torch's int4
+- `gguf_matmul` (runtime/kernels/gguf_matmul.cpp): GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks multiplied
+  as llama.cpp multiplies them. The weights keep the file's bits (0.58-1.06 bytes per weight, read once per step);
+  each activation row is quantized to int8 per block of 32 (per 256 for K-quants, llama.cpp's Q8_K) and the block
+  dots are exact integer sums. Another precision than torch's int4
   kernel (bf16 activations), within the fast precision's tolerance.
 - `row_attention` (runtime/kernels/row_attention.cpp): the compiled step's attention, each row against its own slot's
 keys.

@@ -1,11 +1,18 @@
-"""Weights as a GGUF file gives them: Q4_0/Q4_1 blocks straight into torch's int4 group-32 CPU layout.
+"""Weights as a GGUF file gives them, for the fast precision's matmuls: the file's blocks re-laid out once at load for
+runtime/kernels/gguf_matmul.cpp (`BlockWeight`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, each multiplied as
+llama.cpp multiplies it, and a float matrix's bf16 bits), or, where that kernel does not build, Q4_0/Q4_1 blocks
+straight into torch's int4 group-32 CPU layout (`Int4Weight`; every other type is then dequantized).
 
-A Q4_1 block holds 32 weights as w = d * q + m (q in 0..15; fp16 d and m); Q4_0 holds w = d * (q - 8). Torch's
-`_weight_int4pack_mm_for_cpu` computes w = (q - 8) * scale + zero per group of 32, so a block maps onto it
-with scale = d and zero = m + 8d (Q4_1) or zero = 0 (Q4_0): the codes are copied from the nibbles (low nibble of
-byte j = element j, high nibble = element j + 16), never through float. The scales have to be in the activation
-dtype, and only bf16 activations have a vectorized kernel on x86, so the fast precision rounds d and m + 8d to
-bf16: that is the one inexact step (with float32 scales the weights are reproduced bit for bit).
+`interleave_rows` keeps the file's bits and about its bytes per weight (16 rows side by side; the K-quants' 6-bit
+scales and mins one byte each): Q4_0 0.625 (file 0.5625: Q4_0's -8d is stored as an m), Q4_1 0.625, Q5_0 0.6875,
+Q5_1 0.75, Q8_0 1.0625, Q4_K 0.578 (file 0.5625), Q5_K 0.703 (0.6875), Q6_K 0.8203, all as in the file otherwise.
+
+Torch's int4 layout: a Q4_1 block holds 32 weights as w = d * q + m (q in 0..15; fp16 d and m); Q4_0 holds
+w = d * (q - 8). Torch's `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * scale + zero per group of 32, so a block
+maps onto it with scale = d and zero = m + 8d (Q4_1) or zero = 0 (Q4_0): the codes are copied from the nibbles (low
+nibble of byte j = element j, high nibble = element j + 16), never through float. The scales have to be in the
+activation dtype, and only bf16 activations have a vectorized kernel on x86, so the fast precision rounds d and m + 8d
+to bf16: that is the one inexact step (with float32 scales the weights are reproduced bit for bit).
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ if TYPE_CHECKING:
 
 Q = gguf.GGMLQuantizationType
 INT4_TYPES = (Q.Q4_0, Q.Q4_1)
-BLOCK_TYPES = (*INT4_TYPES, Q.Q8_0)  # what runtime/kernels/gguf_matmul.cpp multiplies as stored
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256
+# what runtime/kernels/gguf_matmul.cpp multiplies as stored
+BLOCK_TYPES = (*INT4_TYPES, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_TYPES)
 GROUP = 32
+QK_K = 256
 # a float matrix in the fast precision: its bf16 bits as "blocks" of runtime/kernels/gguf_matmul.cpp (bf16_blocks)
 BF16 = Q.BF16
 
@@ -40,7 +50,7 @@ class QuantBlocks:
     def __post_init__(self) -> None:
         block, size = gguf.GGML_QUANT_SIZES[self.qtype]
         out, inp = self.shape
-        assert block in (1, GROUP) and inp % GROUP == 0, (self.qtype, self.shape)
+        assert block in (1, GROUP, QK_K) and inp % max(block, GROUP) == 0, (self.qtype, self.shape)
         assert self.data.dtype == torch.uint8 and self.data.shape == (out, inp // block * size), self.data.shape
 
     def with_rows(self, data: torch.Tensor) -> QuantBlocks:
@@ -140,28 +150,136 @@ def q8_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
     return b[..., 0:2].contiguous().view(torch.float16).float()[..., 0], b[..., 2:].contiguous().view(torch.int8)
 
 
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes [..., 2] as the float16 they store, [...]."""
+    return b.contiguous().view(torch.float16)[..., 0]
+
+
+def _bits(b: torch.Tensor, count: int, width: int = 1) -> torch.Tensor:
+    """Fields of `width` bits, lowest first: [..., n] uint8 -> [..., n * 8 / width] (byte 0's fields, then byte 1's
+    ...)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+    return ((b[..., None] >> shifts) & ((1 << width) - 1)).flatten(-2)[..., :count]
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A matrix's blocks decoded (the file's values, no arithmetic): codes uint8 [out, in] as stored (unsigned), d and
+    m float16 [out, blocks] (m as the kernel adds it: Q4_1's and Q5_1's m, Q4_0's -8d, Q4_K's and Q5_K's -dmin; None
+    for Q5_0, Q8_0 and Q6_K), and for K-quants the sub-block scales (and Q4_K/Q5_K's mins) uint8 [out, blocks, 8]
+    (Q6_K: int8 [out, blocks, 16])."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 as a nibble
+    of byte j + 4 (scale low, min high) with their top 2 bits in the top bits of bytes j - 4 (scale) and j (min)."""
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    scales = torch.cat([lo & 63, (s[..., 8:12] & 0xF) | ((lo >> 6) << 4)], dim=-1)
+    mins = torch.cat([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def block_codes(blocks: QuantBlocks) -> Fields:
+    """The fields of a Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (codes as q + 128), Q4_K, Q5_K or Q6_K matrix, from the file's
+    layout (ggml-common.h's block_q*):
+      Q4_0 d, qs[16]; Q4_1 d, m, qs[16]; Q5_0 d, qh[4], qs[16]; Q5_1 d, m, qh[4], qs[16]: element j < 16 the low
+        nibble of qs[j], j >= 16 the high nibble of qs[j - 16]; bit 4 = bit j of qh (little-endian);
+      Q4_K d, dmin, scales[12], qs[128]; Q5_K the same with qh[32] before qs: 64 elements per 32 bytes of qs (low
+        nibbles the first 32, high the next), bit 4 of element 32 s + l = bit s of qh[l];
+      Q6_K ql[128], qh[64], scales[16] (int8, one per 16 elements), d: per half of 128, element 32 k + l (k < 4) has
+        its low 4 bits in ql[l + 32 (k % 2)] (low nibble for k < 2, high for k >= 2) and bits 4-5 in qh[l] >> 2 k."""
+    qtype, (out, inp) = blocks.qtype, blocks.shape
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    b = blocks.data.view(out, inp // block, -1)
+    if qtype == Q.Q8_0:
+        d, q = q8_fields(blocks)
+        return Fields((q.reshape(out, inp).to(torch.int16) + 128).to(torch.uint8), _fp16(b[..., 0:2]), None)
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        d = _fp16(b[..., 0:2])
+        m = _fp16(b[..., 2:4]) if qtype in (Q.Q4_1, Q.Q5_1) else -8 * d if qtype == Q.Q4_0 else None
+        qs = b[..., -16:]
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=-1)
+        if qtype in (Q.Q5_0, Q.Q5_1):
+            codes = codes | (_bits(b[..., -20:-16], 32) << 4)
+        return Fields(codes.reshape(out, inp), d, m)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+        scales, mins = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(out, -1, 4, 1, 32)  # [.., 64-element chunk, nibble, l]
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=-2).reshape(out, -1, 256)
+        if qtype == Q.Q5_K:  # bit s of qh[l] -> element 32 s + l
+            high = _bits(b[..., 16:48], 256).view(out, -1, 32, 8).transpose(-1, -2)
+            codes = codes | (high.reshape(out, -1, 256) << 4)
+        return Fields(codes.reshape(out, inp), d, -dmin, scales, mins)
+    assert qtype == Q.Q6_K, qtype
+    ql = b[..., 0:128].reshape(out, -1, 2, 1, 2, 32)  # [.., half, nibble, 32-byte group, l]
+    low = torch.cat([ql & 0xF, ql >> 4], dim=-3).reshape(out, -1, 2, 128)
+    qh = b[..., 128:192].reshape(out, -1, 2, 1, 32)  # [.., half, k, l]
+    high = ((qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(out, -1, 2, 128)
+    codes = (low | (high << 4)).reshape(out, inp)
+    return Fields(codes, _fp16(b[..., 208:210]), None, b[..., 192:208].contiguous().view(torch.int8))
+
+
+def _interleave_codes(codes: torch.Tensor, bits: int, groups: int, blocks32: int) -> torch.Tensor:
+    """codes uint8 [out, in] (unsigned, < 2^bits) as runtime/kernels/gguf_matmul.cpp's blocks of 32 for 16 rows:
+    [groups, in / 32, bytes] with bytes = the nibbles [4 chunks][16 rows][4] (element 4 j + k, j = 2 i + half: chunk
+    i, low (half 0) or high nibble), then per bit above 4 a plane [16 rows][4] (bit j of byte (row, k) = that bit of
+    element 4 j + k; 6 bits: planes p = 0, 1, bits 2 j', 2 j' + 1 = bits 4, 5 of element 4 (4 p + j') + k)."""
+    rows = cpu_kernels.ROWS
+    q = codes.view(groups, rows, blocks32, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [g, b, chunk, row, k, half]
+    parts = [((q[..., 0] & 0xF) | ((q[..., 1] & 0xF) << 4)).reshape(groups, blocks32, -1)]
+    if bits == 4:
+        return parts[0]
+    high = (codes >> 4).view(groups, rows, blocks32, 8, 4)  # [g, row, b, j, k]
+    per_plane = 8 // (bits - 4)  # registers j per plane: 8 (5 bits), 4 (6 bits)
+    for first in range(0, 8, per_plane):
+        plane = high[..., first, :].clone()
+        for j in range(first + 1, first + per_plane):
+            plane |= high[..., j, :] << ((j - first) * (bits - 4))
+        parts.append(plane.permute(0, 2, 1, 3).reshape(groups, blocks32, -1))  # [g, b, row, k]
+    return torch.cat(parts, dim=-1)
+
+
+CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6}
+
+
 def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The layout runtime/kernels/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, in / 32, 256 (Q4),
-    512 (Q8) or 1024 (BF16)], d and m float16 [out / 16, in / 32, 16] (m: Q4_1's m, Q4_0's -8d; None for Q8_0; neither
-    for BF16). out % 16 == 0."""
+    """The layout runtime/kernels/gguf_matmul.cpp reads (its header says why): codes uint8 [out / 16, blocks, bytes]
+    with blocks = in / 32 (in / 256 for K-quants) and bytes = 256 (Q4), 320 (Q5), 512 (Q8), 1024 (BF16), 2304 (Q4_K),
+    2816 (Q5_K), 3328 (Q6_K); d and m float16 [out / 16, blocks, 16] (m as `Fields` says; None for Q5_0, Q8_0, Q6_K;
+    neither for BF16). out % 16 == 0."""
     out, inp = blocks.shape
     rows = cpu_kernels.ROWS
-    nb, groups = inp // GROUP, out // rows
+    groups = out // rows
     assert out % rows == 0, blocks.shape
     if blocks.qtype == BF16:  # pairs of inputs: [group, block, pair, row, 4 bytes]
+        nb = inp // GROUP
         pairs = blocks.data.view(groups, rows, nb, GROUP // 2, 4).permute(0, 2, 3, 1, 4)
         return pairs.reshape(groups, nb, -1).contiguous(), None, None
     if blocks.qtype == Q.Q8_0:
+        nb = inp // GROUP
         d, q = q8_fields(blocks)
         codes = q.view(groups, rows, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1).view(torch.uint8)
         m = None
     else:
-        d, m, q = block_fields(blocks)  # element e = 8 i + 4 half + k: chunk i, low (half 0) or high nibble
-        q = q.view(groups, rows, nb, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        codes = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, nb, -1)
-        m = m if m is not None else -8 * d
+        f = block_codes(blocks)
+        d, m, nb = f.d, f.m, f.d.shape[1]
+        codes = _interleave_codes(f.codes, CODE_BITS[blocks.qtype], groups, inp // GROUP)
+        if blocks.qtype in K_TYPES:  # per super-block: its 8 blocks of codes, then the scales (and mins) in pairs
 
-    def by_group(t: torch.Tensor) -> torch.Tensor:  # exact: d and m are float16 in the file (-8d too)
+            def pairs(t: torch.Tensor) -> torch.Tensor:  # [out, nb, n] -> [groups, nb, n / 2 pairs, 16 rows, 2]
+                return t.view(torch.uint8).view(groups, rows, nb, -1, 2).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1)
+
+            extra = [pairs(f.scales)] + ([] if f.mins is None else [pairs(f.mins)])
+            codes = torch.cat([codes.reshape(groups, nb, -1), *extra], dim=-1)
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # exact: d and m are float16 in the file (-8d and -dmin too)
         return t.view(groups, rows, nb).transpose(1, 2).contiguous().to(torch.float16)
 
     return codes.contiguous(), by_group(d), None if m is None else by_group(m)
@@ -169,8 +287,9 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | N
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """[out, in] weight from the file's blocks (Q4_0/Q4_1/Q8_0), interleaved for runtime/kernels/gguf_matmul.cpp's
-    kernel (int8 activations per block of 32, as llama.cpp does), or a float matrix's BF16 blocks (bf16 activations)."""
+    """[out, in] weight from the file's blocks (BLOCK_TYPES), interleaved for runtime/kernels/gguf_matmul.cpp's kernel
+    (int8 activations per block of 32, or per super-block of 256 for K-quants, as llama.cpp does), or a float matrix's
+    BF16 blocks (bf16 activations)."""
 
     codes: torch.Tensor
     d: torch.Tensor | None

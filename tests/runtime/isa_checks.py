@@ -7,8 +7,9 @@ machine, made of another build.
 build-only: the build must compile (an instruction set this CPU cannot run). run: every kernel's rows are batch
 invariant (an M-row call's row equals its 1-row call bitwise), the BF16 matmul is within its float32 error bound
 of the float64 product, each tiny model's verify rows equal its AR steps bitwise in the fast precision (its float
-matrices on the BF16 kernel, and again with them as Q4_1 blocks); OUTPUTS gets the kernels' outputs on the shared
-INPUTS for the test to compare across builds, and `kernel_isa()`.
+matrices on the BF16 kernel, and again with them as Q4_1 blocks, and as llama.cpp's Q4_K_M and Q5_K_M mixes write
+them: Q4_K/Q5_K/Q6_K where rows are multiples of 256, Q5_0/Q5_1/Q8_0 where not); OUTPUTS gets the kernels' outputs on
+the shared INPUTS for the test to compare across builds, and `kernel_isa()`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import sys
 
 import gguf
 import torch
+from block_quants import fast_block_model, llama_cpp_mix
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
-from dspark_grpc.runtime.kernels.quant import QuantBlocks
 from dspark_grpc.serving.engine_bench import check_invariance
 
+Q = gguf.GGMLQuantizationType
 ROWS = [*range(1, 17), 40]
 U32 = 2.0**-24  # float32's unit roundoff
 
@@ -42,17 +44,6 @@ def bf16_within_bound(args: tuple, out: torch.Tensor, reference: torch.Tensor) -
     bound = gamma * (x.abs() @ weight.abs().T) + U32 * (x @ weight.T).abs() + 1e-30
     err = (out.double() - x @ weight.T).abs()
     assert (err <= bound).all(), (err / bound).max().item()
-
-
-def as_q4_1(directory: str):
-    """The tiny checkpoint with every projection as Q4_1 blocks (quantized by the gguf package), the fast path."""
-    ckpt = load_checkpoint(directory, progress=False)
-    for name, w in list(ckpt.weights.items()):
-        if w.ndim == 2 and name != "tok_embeddings.weight":
-            data = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1))
-            ckpt.blocks[name] = QuantBlocks(gguf.GGMLQuantizationType.Q4_1, data, tuple(w.shape))
-            ckpt.weights[name] = torch.empty(w.shape, device="meta")
-    return inference_model(ckpt, "fast")
 
 
 def main(inputs_path: str, outputs_path: str, mode: str, *model_dirs: str) -> None:
@@ -80,9 +71,11 @@ def main(inputs_path: str, outputs_path: str, mode: str, *model_dirs: str) -> No
                                                                  slots[r : r + 1], rows[r : r + 1], mask[r : r + 1])
                                   for r in range(q.shape[0])])  # the others' keys already written
     for directory in model_dirs:
-        for model in (inference_model(load_checkpoint(directory, progress=False), "fast"), as_q4_1(directory)):
+        for blocks in (None, Q.Q4_1, llama_cpp_mix(Q.Q4_K), llama_cpp_mix(Q.Q5_K)):
+            model = (inference_model(load_checkpoint(directory, progress=False), "fast") if blocks is None
+                     else fast_block_model(directory, blocks))
             verdict = check_invariance(model, steps=24)
-            assert verdict.startswith("0 of"), (directory, verdict)
+            assert verdict.startswith("0 of"), (directory, blocks, verdict)
     torch.save(outputs, outputs_path)
 
 

@@ -1,6 +1,9 @@
 """The GGUF block kernel (runtime/kernels/gguf_matmul.cpp) against llama.cpp's arithmetic written out independently in
-float64: int8 activations per block of 32 (scale max|x| / 127, codes rounded half to even), exact integer block
-dots, scaled by d_w * d_x, plus Q4's m times the block's float sum of x."""
+float64: for blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) int8 activations per block of 32 (scale max|x| / 127, codes
+rounded half to even), exact integer block dots, scaled by d_w * d_x, plus Q4_0/Q4_1/Q5_1's m times the block's float
+sum of x; for the K-quants (Q4_K, Q5_K, Q6_K) llama.cpp's Q8_K activations per 256 and the super-blocks' exact integer
+sums. The weights' values come from the gguf package's dequantize (K-quant blocks are made by
+tests/runtime/block_quants.py: the package cannot quantize them)."""
 
 from __future__ import annotations
 
@@ -9,15 +12,19 @@ import platform
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
+from block_quants import extreme_blocks, quantize_blocks, random_blocks
 from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.runtime.kernels.quant import (
     BLOCK_TYPES,
+    K_TYPES,
     BlockWeight,
     Int4Weight,
     QuantBlocks,
     bf16_blocks,
+    block_codes,
     quantized_weight,
 )
 from dspark_grpc.runtime.models.linear import FusedProjection, Linear
@@ -25,6 +32,8 @@ from isa_checks import bf16_within_bound
 from tolerance import assert_within, gamma, linear_error_bound, unit_roundoff
 
 Q = gguf.GGMLQuantizationType
+LEGACY_TYPES = tuple(t for t in BLOCK_TYPES if t not in K_TYPES)  # blocks of 32
+NEW_TYPES = (Q.Q5_0, Q.Q5_1, *K_TYPES)
 
 
 def test_the_kernels_build_on_an_x86_machine_with_gcc():
@@ -38,20 +47,21 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_ke
 
 
 def quantized(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> QuantBlocks:
-    return QuantBlocks(qtype, torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype)), tuple(weight.shape))
+    return quantize_blocks(weight, qtype)
 
 
 def llama_cpp_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
-    """float64 y [R, out]; the weights' d, m and codes decoded with the gguf package."""
+    """float64 y [R, out] for blocks of 32; the weights' d, m and codes decoded with the gguf package (Q5_0 and Q8_0
+    dot their signed codes, m = 0)."""
     out, inp = blocks.shape
     nb = inp // 32
     w = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), blocks.qtype)).reshape(out, nb, 32).double()
     raw = blocks.data.view(out, nb, -1)
     d = raw[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
-    if blocks.qtype == Q.Q4_1:
+    if blocks.qtype in (Q.Q4_1, Q.Q5_1):
         m = raw[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
     else:
-        m = torch.zeros_like(d) if blocks.qtype == Q.Q8_0 else -8 * d
+        m = torch.zeros_like(d) if blocks.qtype in (Q.Q5_0, Q.Q8_0) else -8 * d
     q = torch.where(d[..., None] != 0, (w - m[..., None]) / d[..., None], 0).round()  # integer codes
     xb = x.float().view(-1, nb, 32)
     dx = xb.abs().amax(-1) / 127  # float32, as the kernel
@@ -78,7 +88,7 @@ def block_arithmetic_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor)
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES)
 @pytest.mark.parametrize("shape", [(64, 96), (40, 64), (960, 576), (576, 1536)])  # odd block counts, padded rows
 def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
     g = torch.Generator().manual_seed(shape[0] + int(qtype))
@@ -98,6 +108,154 @@ def test_kernel_computes_llama_cpp_arithmetic(qtype, shape):
     assert (got - exact).norm() < 0.05 * exact.norm()  # ...but close to it
 
 
+def q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's quantize_row_q8_K in float32 as there: per 256 inputs the first element of largest |x| sets
+    iscale = -127 / it (its code is -127), codes round(iscale x) half to even (nearest_int), at most 127, scale
+    1 / iscale (0 and codes 0 for an all-zero block). codes float64 [R, K / 256, 256], scales float64 [R, K / 256]."""
+    xb = x.float().reshape(x.shape[0], -1, 256)
+    top = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))[..., 0]  # argmax: the first of equal maxima
+    # a tensor divided (torch computes scalar / tensor as a reciprocal times the scalar: another rounding, which moves
+    # codes at a tie, e.g. an element half the largest)
+    iscale = torch.where(top != 0, torch.full_like(top, -127.0) / top, 0)
+    codes = torch.round(xb * iscale[..., None]).clamp(max=127)
+    return codes.double(), torch.where(top != 0, 1 / iscale, 0).double()
+
+
+def k_quant_weights(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 [out, in]: each weight exactly d sc q - dmin mn (Q4_K, Q5_K) or d sc (q - 32) (Q6_K), and the
+    magnitude |d sc q| + |dmin mn| of its two terms. The values come from the gguf package's dequantize, the 6-bit
+    scales and mins from its Q4_K.get_scale_min (d, dmin and Q6_K's int8 scales are plain fields); the codes are
+    recovered from the values, and the exact weights checked to round to the package's float32 ones."""
+    (out, inp), qtype = blocks.shape, blocks.qtype
+    raw = blocks.data.numpy().reshape(out * inp // 256, -1)
+    w32 = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()  # [super-blocks, 256]
+
+    def fp16(offset: int) -> torch.Tensor:
+        return torch.from_numpy(raw[:, offset : offset + 2].copy().view(np.float16)).double()
+
+    if qtype == Q.Q6_K:
+        step = (fp16(208) * torch.from_numpy(raw[:, 192:208].copy().view(np.int8)).double()).repeat_interleave(16, -1)
+        offset = torch.zeros_like(step)
+    else:
+        scales, mins = (torch.from_numpy(t.astype(np.float64)) for t in gguf.quants.Q4_K.get_scale_min(raw[:, 4:16]))
+        step, offset = (fp16(0) * scales).repeat_interleave(32, -1), (fp16(2) * mins).repeat_interleave(32, -1)
+    q = torch.where(step != 0, ((w32 + offset) / step).round(), 0)  # Q6_K: q - 32
+    exact = step * q - offset
+    assert torch.equal(exact.float().double(), w32)
+    return exact.reshape(out, inp), ((step * q).abs() + offset).reshape(out, inp)
+
+
+def k_quant_reference(x: torch.Tensor, blocks: QuantBlocks, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_K/Q5_K/Q6_K x Q8_K dot products in float64, and the kernel's bound around them.
+
+    Per super-block b the kernel forms the exact integers S_b (Q6_K: sum_s sc_s (q_s - 32) . x_s; Q4_K/Q5_K:
+    sum_s sc_s q_s . x_s) and M_b (sum_s mn_s times x_s's code sum), so sum_b d_x (d S_b - dmin M_b) equals
+    sum_e w_e d_x x'_e with w_e the exact weights. The float32 side: each of the 2 B terms (B super-blocks) takes S_b or
+    M_b to float (<= 1 rounding) times the float product d_w d_x (1 rounding) and is accumulated by a fused multiply-add
+    (1 rounding each, 2 B in all): within gamma_{2B+2} of the sum of the terms' magnitudes, which is at most
+    sum_e |d_x x'_e| (|d sc q|_e + |dmin mn|_e); the bias add rounds once more (u times |y| + |bias|)."""
+    w, magnitude = k_quant_weights(blocks)
+    codes, scales = q8_k(x)
+    xq = (codes * scales[..., None]).reshape(x.shape[0], -1)
+    terms = xq.abs() @ magnitude.T
+    bound = gamma(2 * x.shape[-1] // 256 + 2) * terms + unit_roundoff() * (2 * bias.double().abs() + terms)
+    return xq @ w.T + bias.double(), bound
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("shape", [(64, 256), (40, 768), (960, 1536), (256, 3072)])  # padded rows, 1-12 super-blocks
+@pytest.mark.parametrize("source", ["quantized", "random bytes"])
+def test_k_quant_kernel_computes_llama_cpp_arithmetic(qtype, shape, source):
+    g = torch.Generator().manual_seed(shape[0] + int(qtype))
+    weight = torch.randn(*shape, generator=g) * 0.05
+    blocks = quantized(weight, qtype) if source == "quantized" else random_blocks(shape, qtype, seed=shape[0])
+    bias = torch.randn(shape[0], generator=g)
+    x = torch.randn(13, shape[1], generator=g)  # a full tile of rows and a partial one
+    x[0, :256] = 0  # an all-zero super-block (scale 0)
+    x[1, 7] = -2 * x[1, :256].abs().max()  # a negative largest element (positive codes, negative scale)
+    expected, bound = k_quant_reference(x, blocks, bias)
+    got = BlockWeight.of([blocks], bias=bias)(x, out_dtype=torch.float32).double()
+    assert got.shape == (13, shape[0])
+    assert_within(got, expected, bound)
+    dequantized, _ = k_quant_weights(blocks)
+    exact = x.double() @ dequantized.T + bias.double()
+    # 8-bit activations: not the float matmul (outside its float32 rounding bound somewhere)...
+    assert not bool(((got - exact).abs() <= linear_error_bound(x, dequantized, bias)).all())
+    assert (got - exact).norm() < 0.05 * (exact - bias.double()).norm()  # ...but close to it
+    assert torch.equal(BlockWeight.of([blocks], bias=bias)(x.bfloat16(), out_dtype=torch.float32),
+                       BlockWeight.of([blocks], bias=bias)(x.bfloat16().float(), out_dtype=torch.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", NEW_TYPES)
+@pytest.mark.parametrize("high", [True, False], ids=["largest codes", "smallest codes"])
+def test_largest_integer_sums_are_exact(qtype, high):
+    """Every code, scale and min at an extreme and activations of one magnitude (codes +-127): the integer sums at
+    their largest (the AVX2 path's int16 sums included: 5-bit codes 8 products, 6-bit 4, at most 31496 and 32004)."""
+    shape = (32, 512)
+    blocks = extreme_blocks(shape, qtype, high)
+    x = torch.ones(4, shape[1])
+    x[1] = -1
+    x[2, ::3] = -1  # mixed signs
+    x[3] = torch.randn(shape[1], generator=torch.Generator().manual_seed(0))
+    bias = torch.zeros(shape[0])
+    got = BlockWeight.of([blocks])(x, out_dtype=torch.float32).double()
+    if qtype in K_TYPES:
+        expected, bound = k_quant_reference(x, blocks, bias)
+    else:
+        dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double().reshape(shape)
+        expected, bound = llama_cpp_reference(x, blocks), block_arithmetic_bound(x, dequantized, bias)
+    assert expected[:3].abs().min() > 0
+    assert_within(got, expected, bound)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_block_fields_decode_like_the_gguf_package(qtype):
+    """runtime/kernels/quant.py's reading of every type's layout (on random bytes: every field value) against the gguf
+    package's dequantize: d sc q - dmin mn, d sc (q - 32), d (q - offset) + m rebuilt from the fields in float64 round
+    to the package's float32 weights exactly."""
+    shape = (32, 512)
+    blocks = random_blocks(shape, qtype, seed=int(qtype))
+    f = block_codes(blocks)
+    q, d = f.codes.double(), f.d.double()
+    if qtype in K_TYPES:
+        sub = 16 if qtype == Q.Q6_K else 32
+        step = (d[..., None] * f.scales.double()).repeat_interleave(sub, -1).reshape(shape)
+        offset = 0 if f.mins is None else (f.m.double()[..., None] * f.mins.double()).repeat_interleave(32, -1)
+        w = step * (q - 32 * (qtype == Q.Q6_K)) + (0 if f.mins is None else offset.reshape(shape))
+    else:
+        m = 0 if f.m is None else f.m.double().repeat_interleave(32, -1)
+        w = d.repeat_interleave(32, -1) * (q - {Q.Q5_0: 16, Q.Q8_0: 128}.get(qtype, 0)) + m
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double()
+    assert torch.equal(w.float().double(), reference)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_quant_test_blocks_follow_the_format(qtype):
+    """tests/runtime/block_quants.py's K-quant writer, read back by the gguf package: near the weights it quantized."""
+    weight = torch.randn(16, 1024, generator=torch.Generator().manual_seed(3)) * 0.05
+    back = torch.from_numpy(gguf.quants.dequantize(quantized(weight, qtype).data.numpy(), qtype))
+    assert not torch.equal(back, weight)
+    assert (back - weight).norm() < {Q.Q4_K: 0.1, Q.Q5_K: 0.05, Q.Q6_K: 0.025}[qtype] * weight.norm()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "file_bytes", "ours"), [
+    (Q.Q4_0, 18 / 32, 20 / 32), (Q.Q4_1, 20 / 32, 20 / 32), (Q.Q5_0, 22 / 32, 22 / 32), (Q.Q5_1, 24 / 32, 24 / 32),
+    (Q.Q8_0, 34 / 32, 34 / 32), (Q.Q4_K, 144 / 256, 148 / 256), (Q.Q5_K, 176 / 256, 180 / 256),
+    (Q.Q6_K, 210 / 256, 210 / 256)])
+def test_layouts_keep_about_the_files_bytes(qtype, file_bytes, ours):
+    """Bytes per weight of the kernel's layout (codes, d and m): the file's, but for Q4_0's m (-8d) and the K-quants'
+    6-bit scales and mins at a byte each."""
+    shape = (64, 512)
+    blocks = random_blocks(shape, qtype, seed=1)
+    assert blocks.data.numel() == file_bytes * shape[0] * shape[1]
+    w = BlockWeight.of([blocks])
+    stored = sum(t.numel() * t.element_size() for t in (w.codes, w.d, w.m) if t is not None)
+    assert stored == ours * shape[0] * shape[1]
+
+
 @needs_kernels
 def test_fused_parts_and_bf16_rows():
     g = torch.Generator().manual_seed(5)
@@ -111,15 +269,19 @@ def test_fused_parts_and_bf16_rows():
 
 
 @needs_kernels
-def test_projections_of_different_block_types_stay_unfused():
+@pytest.mark.parametrize("qtypes", [(Q.Q4_1, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.Q5_0, Q.Q8_0)])
+def test_projections_of_different_block_types_stay_unfused(qtypes):
+    # as llama.cpp's mixed files keep some matrices at 8 bits, a Q4_K_M's v projection at Q6_K, and fall back from
+    # K-quants to Q5_0 / Q8_0 where rows are not multiples of 256
     g = torch.Generator().manual_seed(9)
+    inp = 256 if qtypes[0] in K_TYPES else 64
     layers = []
-    for qtype in (Q.Q4_1, Q.Q8_0):  # as llama.cpp's mixed files keep some matrices at 8 bits
-        layer = Linear(64, 32, bias=False)
-        layer.blocks = quantized(torch.randn(32, 64, generator=g) * 0.05, qtype)
+    for qtype in qtypes:
+        layer = Linear(inp, 32, bias=False)
+        layer.blocks = quantized(torch.randn(32, inp, generator=g) * 0.05, qtype)
         layers.append(layer)
     assert FusedProjection.of(layers) is None
-    x = torch.randn(3, 64, generator=g).bfloat16()
+    x = torch.randn(3, inp, generator=g).bfloat16()
     for layer in layers:  # each runs on its own blocks
         assert torch.equal(layer(x), BlockWeight.of([layer.blocks])(x))
     assert FusedProjection.of(layers[:1]) is not None

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from block_quants import quantize_blocks
 from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
 from dspark_grpc.runtime.formats.gguf_reader import GGUFFile, dequantize_tensor, open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.safetensors_reader import read_hf_config, read_safetensors
@@ -273,7 +274,9 @@ def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str) -> None:
+def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str, type_of=None) -> None:
+    """`type_of`: (GGUF name, (out, in)) -> the type each matrix is quantized to (tests/runtime/block_quants.py), as
+    llama.cpp's quantizer then writes the file; None keeps float32."""
     cfg = read_hf_config(hf_dir)
     tensors = {k: v.float().numpy() for k, v in read_safetensors(hf_dir).items()}
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -299,15 +302,23 @@ def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
-    w.add_tensor("token_embd.weight", tensors.pop("model.embed_tokens.weight"))
+
+    def add(name: str, value: np.ndarray, typed_as: str | None = None) -> None:
+        if type_of is None or value.ndim != 2:
+            return w.add_tensor(name, value)
+        qtype = type_of(typed_as or name, value.shape)
+        w.add_tensor(name, quantize_blocks(torch.from_numpy(value), qtype).data.numpy(), raw_dtype=qtype)
+
+    tied = "lm_head.weight" not in tensors  # a tied embedding is the head: llama.cpp quantizes it as the output
+    add("token_embd.weight", tensors.pop("model.embed_tokens.weight"), "output.weight" if tied else None)
     w.add_tensor("output_norm.weight", tensors.pop("model.norm.weight"))
     if "lm_head.weight" in tensors:
-        w.add_tensor("output.weight", tensors.pop("lm_head.weight"))
+        add("output.weight", tensors.pop("lm_head.weight"))
     for name, value in tensors.items():
         _, _, layer, rest = name.split(".", 3)
         if arch == "llama" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
             value = _llama_cpp_permute(value, n_head if "q_proj" in rest else n_kv)
-        w.add_tensor(f"blk.{layer}.{_LAYER_NAMES[rest]}", value)
+        add(f"blk.{layer}.{_LAYER_NAMES[rest]}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,8 +3,10 @@ builds the one its CPU has (-march=native). So that no host kind finds a path th
 built here too, each in a process of its own (tests/runtime/isa_checks.py): x86-64-v3 (AVX2: the block and bf16
 matmuls' AVX2 paths, attention in 8 lanes) and x86-64-v4 (AVX-512 without VNNI or BF16: the bf16 matmul's FMA path,
 attention in 16 lanes without vdpbf16ps). A level this CPU cannot run is only compiled. Each build must keep every
-kernel's rows batch invariant and a tiny fast model's verify rows equal to its AR steps; across builds the block
-matmul agrees bitwise (exact integer block dots, one float order), bf16 and attention within their rounding."""
+kernel's rows batch invariant (every block type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, on quantized
+weights, random bytes and extreme codes) and the tiny fast models' verify rows equal to their AR steps (float, Q4_1,
+and llama.cpp's Q4_K_M / Q5_K_M mixes at widths 64 and 256); across builds the block matmul agrees bitwise (exact
+integer block dots, one float order), bf16 and attention within their rounding."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from block_quants import extreme_blocks, quantize_blocks, random_blocks, wide_tiny_models
 from dspark_grpc.runtime.kernels import cpu_kernels
-from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, BlockWeight, QuantBlocks, bf16_blocks
+from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, K_TYPES, BlockWeight, bf16_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
@@ -28,6 +31,7 @@ EXPECTED_ISA = {"x86-64-v3": "blocks avx2, bf16 avx2, attention avx2",  # neithe
                 "x86-64-v4": "blocks avx2, bf16 avx512f, attention avx512f"}
 SCRIPT = Path(__file__).with_name("isa_checks.py")
 U32, U_BF16 = 2.0**-24, 2.0**-8  # unit roundoffs
+Q = gguf.GGMLQuantizationType
 
 
 def runs_here(level: str) -> bool:
@@ -38,10 +42,16 @@ def runs_here(level: str) -> bool:
 def shared_inputs(g: torch.Generator) -> dict:
     matmul = []
     for qtype in BLOCK_TYPES:
-        blocks = QuantBlocks(qtype, torch.from_numpy(gguf.quants.quantize(torch.randn(64, 96, generator=g).numpy(),
-                                                                           qtype)), (64, 96))
-        w = BlockWeight.of([blocks])
-        matmul.append((torch.randn(40, 96, generator=g).bfloat16(), w.codes, w.d, w.m, int(qtype), None, torch.float32))
+        shape = (64, 512) if qtype in K_TYPES else (64, 96)
+        cases = [quantize_blocks(torch.randn(*shape, generator=g), qtype)]
+        if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # the new types' every field value and largest integer sums
+            cases += [random_blocks(shape, qtype, seed=int(qtype)), extreme_blocks(shape, qtype, high=True),
+                      extreme_blocks(shape, qtype, high=False)]
+        for blocks in cases:
+            w = BlockWeight.of([blocks])
+            x = torch.randn(40, shape[1], generator=g)
+            x[:3] = torch.tensor([1.0, -1.0, 0.0])[:, None]  # activations of one magnitude (codes +-127), zero
+            matmul.append((x.bfloat16(), w.codes, w.d, w.m, int(qtype), None, torch.float32))
     bf16 = []
     for shape in ((48, 96), (576, 1536)):
         weight = torch.randn(*shape, generator=g).bfloat16()
@@ -71,7 +81,12 @@ def attention_bound(attention: tuple, ours: torch.Tensor) -> torch.Tensor:
     return 2 * (2 * score_err + gamma(C + 4)) * v_max + 2 * U_BF16 * ours.double().abs()
 
 
-def test_every_instruction_set_build_keeps_rows_invariant_and_agrees(tmp_path, tiny_hf_models):
+@pytest.fixture(scope="module")
+def wide_tiny_hf_models(tiny_hf_models, tmp_path_factory):
+    return wide_tiny_models(tiny_hf_models, tmp_path_factory.mktemp("wide_tiny_hf"))
+
+
+def test_every_instruction_set_build_keeps_rows_invariant_and_agrees(tmp_path, tiny_hf_models, wide_tiny_hf_models):
     g = torch.Generator().manual_seed(11)
     inputs = shared_inputs(g)
     torch.save(inputs, tmp_path / "inputs.pt")
@@ -81,7 +96,7 @@ def test_every_instruction_set_build_keeps_rows_invariant_and_agrees(tmp_path, t
         env = {**os.environ, "DSPARK_CPU_MARCH": level, "DSPARK_COMPILE_CACHE": str(tmp_path / level)}
         procs[level] = (mode, subprocess.Popen(
             [sys.executable, str(SCRIPT), str(tmp_path / "inputs.pt"), str(tmp_path / f"{level}.pt"), mode,
-             str(tiny_hf_models["llama3"]), str(tiny_hf_models["qwen2"])],
+             *(str(d) for d in (tiny_hf_models["llama3"], tiny_hf_models["qwen2"], *wide_tiny_hf_models.values()))],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     ours_matmul = [torch.ops.dspark.gguf_matmul(*args) for args in inputs["matmul"]]
     ours_bf16 = [torch.ops.dspark.gguf_matmul(*args) for args, _ in inputs["bf16"]]
