@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from dspark_grpc.runtime.kernels.quant import BlockWeight
 from dspark_grpc.runtime.models.batch_invariant import BUCKET
 from dspark_grpc.runtime.models.rope import rope_cos_sin, rotate_half
 from dspark_grpc.runtime.models.slot_cache import SlotCache, SlotStore
@@ -69,8 +68,7 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
     x = model.tok_embeddings(tokens)
     cos, sin = rope[0, positions], rope[1, positions]
-    own_kernels = isinstance(model.layers[0].attention.qkv.quantized, BlockWeight)  # runtime/kernels/cpu_kernels.py
-    # built
+    own_kernels = step_matmul(model) == "BlockWeight"  # runtime/kernels/cpu_kernels.py built
     bias = None if own_kernels else torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
     for t in (*ks, *vs):  # one slot count and one capacity for all: two sizes for the step's caller to pass, not 120
         torch._check(t.shape[0] == ks[0].shape[0])
@@ -78,7 +76,8 @@ def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor
     hidden = []
     for i, layer in enumerate(model.layers):
         a = layer.attention
-        q, k, v = a.qkv(layer.attention_norm(x))
+        h = layer.attention_norm(x)  # q/k/v of different block types (a mixed GGUF) stay three projections
+        q, k, v = a.qkv(h) if a.qkv is not None else (a.wq(h), a.wk(h), a.wv(h))
         q, k, v = q.view(R, H, D), k.view(R, KV, D), v.view(R, KV, D)
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
@@ -127,9 +126,18 @@ def can_compile(model: Transformer) -> str | None:
         return "gated or partial-rotary attention is not compiled"
     if model.dtype != torch.bfloat16:
         return "only the fast precision (bf16 activations) is compiled"
-    if any(layer.attention.qkv is None for layer in model.layers):
-        return "the compiled step needs the fused q/k/v projections of a packed model"
+    if step_matmul(model) not in ("BlockWeight", "Int4Weight"):
+        return "the compiled step needs a packed model's matmuls on GGUF or bf16 blocks or torch's int4 kernel " \
+               "(without the CPU kernels a float matrix runs row by row)"
     return None
+
+
+def step_matmul(model: Transformer) -> str:
+    """The kind of the q projection's matmul (the first layer's): "BlockWeight" (runtime/kernels/gguf_matmul.cpp),
+    "Int4Weight" (torch's int4 kernel), else what it is ("none": not packed yet, or no quantized weight)."""
+    a = model.layers[0].attention
+    weight = a.qkv.quantized if a.qkv is not None else a.wq.quantized
+    return type(weight).__name__ if weight is not None else "none"
 
 
 def missing_compiler() -> str | None:
@@ -181,7 +189,7 @@ def vector_isa() -> str:
 def artifact_key(model: Transformer, mode: str = "fast") -> str:
     """What a compiled step depends on besides the weights' values: a saved step with another key is not used."""
     h = hashlib.sha256()
-    matmul = type(model.layers[0].attention.qkv.quantized).__name__  # the GGUF block kernel or torch's int4
+    matmul = step_matmul(model)  # the GGUF block kernel or torch's int4
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              vector_isa(), repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]

@@ -29,13 +29,15 @@ Q = gguf.GGMLQuantizationType
 
 def one_layer_fast_model(directory) -> Transformer:
     """The tiny random checkpoint cut to its first layer, every projection quantized by the gguf package, loaded as
-    the fast path (compiling costs per layer; one layer has every op the graph has)."""
+    the fast path (compiling costs per layer; one layer has every op the graph has). V is Q8_0 and the rest Q4_0, as
+    llama.cpp's mixed files keep some matrices at more bits: q/k/v stay three projections (the gate/up pair is
+    fused), and the graph runs both kinds."""
     ckpt = load_checkpoint(directory, progress=False)
     ckpt.config = dataclasses.replace(ckpt.config, num_layers=1)
     ckpt.weights = {k: v for k, v in ckpt.weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
     for name, w in list(ckpt.weights.items()):
         if w.ndim == 2 and name != "tok_embeddings.weight":
-            ckpt.blocks[name] = quantized(w, Q.Q4_0)
+            ckpt.blocks[name] = quantized(w, Q.Q8_0 if ".wv." in name else Q.Q4_0)
             ckpt.weights[name] = torch.empty(w.shape, device="meta")
     return inference_model(ckpt, "fast")
 
@@ -45,6 +47,7 @@ def models(tiny_hf_models, tmp_path_factory):
     """qwen3: q/k norms, a tied head. The eager fast model, and the same compiled (and saved in a cache dir)."""
     eager = one_layer_fast_model(tiny_hf_models["qwen3"])
     compiled = one_layer_fast_model(tiny_hf_models["qwen3"])
+    assert compiled.layers[0].attention.qkv is None and compiled.layers[0].feed_forward.gate_up is not None
     compiled.compiled = CompiledStep(compiled, tmp_path_factory.mktemp("compiled"))
     compiled.compiled.warm_up(progress=False)
     return eager, compiled
