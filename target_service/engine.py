@@ -119,6 +119,16 @@ class Verified:
     batch: BatchInfo | None = None  # the batched forward it ran in
 
 
+def resident_mib() -> float:
+    """This process's resident memory (VmRSS), in MiB; 0 where /proc does not say."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), "VmRSS: 0 kB")
+    return int(line.split()[1]) / 1024
+
+
 class TargetEngine:
     def __init__(self, model: Transformer, tokenizer: TextTokenizer, name: str, limits: EngineLimits):
         cfg = model.config
@@ -192,7 +202,9 @@ class TargetEngine:
         model = inference_model(ckpt, precision, dtype, compile=compile if on_cpu else "off", progress=progress,
                                 compile_cache=compile_cache, device=device)
         if progress:
-            print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s", flush=True)
+            size = Path(path).stat().st_size if Path(path).is_file() else None
+            print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s; resident memory "
+                  f"{resident_mib():.0f} MiB" + (f" (the file: {size / 2**20:.0f} MiB)" if size else ""), flush=True)
         return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())
 
     # -- sessions -------------------------------------------------------------------------------
