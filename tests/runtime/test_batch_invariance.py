@@ -120,11 +120,19 @@ def test_attention_by_row_equals_one_row_steps(committed):
         torch.testing.assert_close(got[:, i], plain, atol=1e-3, rtol=2e-2)  # and it is attention
 
 
-def assert_verifies_equal_ar_steps(model: Transformer, prompt: list[int], fresh_cache) -> tuple[list[int],
-                                                                                      list[torch.Tensor]]:
+def prefilled(model: Transformer, prompt: list[int]):
+    """A new cache of the model with the prompt prefilled."""
+    cache = model.new_cache()
+    prefill(model, cache, prompt)
+    return cache
+
+
+def assert_verifies_equal_ar_steps(model: Transformer, prompt: list[int], fresh_cache=None) -> tuple[list[int],
+                                                                                           list[torch.Tensor]]:
     """AR for 12 steps, then a 12-row chain verify and a tree verify (a wrong first child before the right one, the
-    AR path continuing under the right one) on fresh prefilled caches: every verify row equals its AR step bitwise.
-    Returns AR's (tokens, logits rows)."""
+    AR path continuing under the right one) on fresh prefilled caches (`fresh_cache()`, default `prefilled`): every
+    verify row equals its AR step bitwise. Returns AR's (tokens, logits rows)."""
+    fresh_cache = fresh_cache or (lambda: prefilled(model, prompt))
     tokens, ar = ar_steps(model, prompt, 12)
     chain, _ = verify_tree(model, fresh_cache(), tokens[:12], list(range(-1, 11)))
     for i in range(12):
@@ -148,18 +156,14 @@ def test_fast_forward_rows_equal_ar_steps(tiny_hf_models, name, qtype):
     model = fast_tiny_model(tiny_hf_models[name], qtype)
     prompt = random_tokens(200, seed=3)  # with ~40 rows of context CPU SDPA happens to be invariant: not a test
 
-    def fresh_cache():
-        cache = model.new_cache()
-        prefill(model, cache, prompt)
-        return cache
 
-    tokens, ar = assert_verifies_equal_ar_steps(model, prompt, fresh_cache)
+    tokens, ar = assert_verifies_equal_ar_steps(model, prompt)
     tree, parents = tree_of(model, tokens)
     # the same tree batched with another session's verify in one forward (continuous batching)
-    other = fresh_cache()
+    other = prefilled(model, prompt)
     prefill(model, other, random_tokens(7, seed=4))
     outs = model.forward_batch([tree_input(other, tokens[5:9], [-1, 0, 1, 1]),
-                                tree_input(fresh_cache(), tree, parents)])
+                                tree_input(prefilled(model, prompt), tree, parents)])
     for node, step in TREE_AR_STEPS:
         assert torch.equal(outs[1].logits[node], ar[step]), ("batched", node)
 
@@ -194,12 +198,8 @@ def test_mixed_file_forward_rows_equal_ar_steps(tiny_hf_models, wide_tiny_hf_mod
         assert model.quantized_lm_head is not None and model.head_blocks.qtype == mix("output.weight", (0, int(width)))
     prompt = random_tokens(200, seed=6)
 
-    def fresh_cache():
-        cache = model.new_cache()
-        prefill(model, cache, prompt)
-        return cache
 
-    assert_verifies_equal_ar_steps(model, prompt, fresh_cache)
+    assert_verifies_equal_ar_steps(model, prompt)
 
 
 def fast_logits_error(path, prompt: list[int]) -> tuple[Transformer, list[int], list[torch.Tensor], float]:
@@ -240,12 +240,8 @@ def test_k_quant_gguf_runs_each_matrix_in_its_own_type(wide_tiny_hf_models, tmp_
     *_, err_float = fast_logits_error(float_path, prompt)
     assert err < 2 * err_float + 0.05, (err, err_float)
 
-    def fresh_cache():
-        cache = model.new_cache()
-        prefill(model, cache, prompt)
-        return cache
 
-    assert assert_verifies_equal_ar_steps(model, prompt, fresh_cache)[0] == tokens
+    assert assert_verifies_equal_ar_steps(model, prompt)[0] == tokens
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2"])  # an untied head; a tied one (the embedding's bf16 blocks)
@@ -268,12 +264,8 @@ def test_fast_bf16_forward_rows_equal_ar_steps(tiny_hf_models, name, kernels, mo
         assert all(m.row_by_row for m in linears)
     prompt = random_tokens(200, seed=5)
 
-    def fresh_cache():
-        cache = model.new_cache()
-        prefill(model, cache, prompt)
-        return cache
 
-    assert_verifies_equal_ar_steps(model, prompt, fresh_cache)
+    assert_verifies_equal_ar_steps(model, prompt)
 
 
 @pytest.fixture(scope="module")
