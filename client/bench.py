@@ -19,7 +19,8 @@ Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode an
 - client_bytes_per_step / client_capture_bytes_per_step: bytes of session ops through the client per step, and
   the hidden-state captures among them (0: captures go target -> drafter only); draft_ahead_hit_rate: drafting
   steps whose proposal was ready when the step began; from_chain_rate: those whose proposal was the rest of the
-  step before's chain (no drafter round).
+  step before's chain (no drafter round); from_lookup_rate: those whose proposal the target found by prompt
+  lookup in the session's own tokens (no drafter round).
 """
 
 from __future__ import annotations
@@ -423,6 +424,8 @@ def _aggregate(rs: list[GenerationResult], wall: float) -> dict:
                                  if any(s.speculative_steps for s in stats) else 0.0),
         "from_chain_rate": (sum(s.drafts_from_chain for s in stats) / sum(s.speculative_steps for s in stats)
                             if any(s.speculative_steps for s in stats) else 0.0),
+        "from_lookup_rate": (sum(s.drafts_from_lookup for s in stats) / sum(s.speculative_steps for s in stats)
+                             if any(s.speculative_steps for s in stats) else 0.0),
     }
 
 

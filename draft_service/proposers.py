@@ -26,6 +26,7 @@ from dspark_grpc.runtime.drafting.ngram import (
     SOURCE_ROOT,
     Candidate,
     NgramIndex,
+    anchored_candidates,
     merge_trees,
     ngram_tree,
 )
@@ -102,12 +103,7 @@ class PromptLookup:
         return self.limits.default_tree_budget if tree else self.limits.ngram_chain, self.limits.max_tree_budget
 
     def candidates(self, request: ProposalRequest) -> list[Candidate]:
-        index = request.session.index
-        index.extend([request.anchor_token])  # the matched suffix ends at the anchor
-        try:
-            return index.candidates(min_ngram=self.limits.ngram_min, max_tokens=request.budget)
-        finally:
-            index.truncate(request.session.length - 1)
+        return anchored_candidates(request.session.index, request.anchor_token, self.limits.ngram_min, request.budget)
 
     def propose(self, request: ProposalRequest, candidates: list[Candidate] | None = None) -> ProposalResult:
         candidates = self.candidates(request) if candidates is None else candidates

@@ -51,7 +51,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             proposers=[PROPOSERS[p] for p in engine.proposers], default_proposer=PROPOSERS[engine.default_proposer],
             max_sessions=engine.limits.max_sessions, max_tree_budget=engine.limits.max_tree_budget,
             max_message_bytes=self.max_message_bytes, live_sessions=len(engine.sessions),
-            session_socket=self.session_socket.address if self.session_socket is not None else "")
+            session_socket=self.session_socket.address if self.session_socket is not None else "",
+            prompt_lookup=draft_pb2.PromptLookupSettings(
+                min_ngram=engine.limits.ngram_min, max_ngram=engine.limits.ngram_max,
+                chain_tokens=engine.limits.ngram_chain, hybrid_min_match=engine.limits.hybrid_min_match))
         if c is not None:  # a DSpark drafter (prompt lookup alone needs no features)
             info.MergeFrom(draft_pb2.GetDrafterInfoResponse(
                 block_size=c.block_size, target_layer_ids=c.target_layer_ids, mask_token_id=c.mask_token_id,

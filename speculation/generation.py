@@ -160,6 +160,7 @@ def _add_step(stats: common_pb2.GenerationStats, report: target_pb2.StepReport, 
         sums.drafting_steps += 1
     stats.drafts_ready += report.draft_ready
     stats.drafts_from_chain += report.draft_from_chain
+    stats.drafts_from_lookup += report.draft_from_lookup
     stats.committed_per_step.append(accepted_tokens + 1)
     stats.draft_seconds += report.draft_seconds
     if report.round_seconds:

@@ -186,7 +186,8 @@ class SpecDecodeMetrics:
         elif report.draft_seconds:
             self.step_choices.labels(choice="cut_to_ar").inc()
         if drafted_ahead:
-            outcome = "chain" if report.draft_from_chain else "ready" if report.draft_ready else "late"
+            outcome = ("chain" if report.draft_from_chain else "lookup" if report.draft_from_lookup
+                       else "ready" if report.draft_ready else "late")
             self.draft_ahead.labels(outcome=outcome).inc()
 
     def watch_adaptive(self, summary: Callable[[], dict[int, dict[str, float | None]]]) -> None:

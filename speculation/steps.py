@@ -35,12 +35,13 @@ class FittedTree:
 @dataclass
 class NextStep:
     """A step planned when the one before it committed: its arm and, drafted ahead, its round's ops and reply, or
-    the rest of the last chain as its proposal (`from_chain`: no round)."""
+    the rest of the last chain (`from_chain`) or a prompt-lookup chain (`from_lookup`) as its proposal: no round."""
 
     arm: int
     ops: list[draft_pb2.DraftSessionRequest] = field(default_factory=list)
     reply: Future | None = None
     from_chain: draft_pb2.Proposal | None = None
+    from_lookup: draft_pb2.Proposal | None = None  # the drafter's prompt lookup done by the target: no round
     waits_turn: bool = False  # AR because the session waits its turn to draft beside AR sessions (`takes_turn`)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
+from dspark_grpc.runtime.drafting.ngram import NgramIndex, anchored_candidates, ngram_tree
 from dspark_grpc.runtime.drafting.sampling import SamplingParams
 from dspark_grpc.serving.server import check_enum
 from dspark_grpc.serving.tensor_codec import from_proto, rows_to_proto
@@ -142,6 +143,7 @@ class ServedSession:
     step_ended: tuple[float, int | None, int] | None = None  # (when, the arm it ran, the engine's prefill epoch then)
     drafting: SessionDrafting | None = None
     rounds: DraftRounds | None = None
+    lookup: NgramIndex | None = None  # its committed tokens, for the drafter's prompt lookup done here (`_lookup`)
 
 
 class StepEngine:
@@ -235,7 +237,8 @@ class StepEngine:
             self._cost_tables(engine)  # builds the tables the chooser prices with, once
             drafting = SessionDrafting.start(sid, options, info, fingerprint, self.chooser, picked.rounds.generation,
                                              self.drafters.several)
-            self.served[sid] = ServedSession(drafting=drafting, rounds=picked.rounds)
+            lookup = NgramIndex(info.prompt_lookup.max_ngram) if info.prompt_lookup.min_ngram > 0 else None
+            self.served[sid] = ServedSession(drafting=drafting, rounds=picked.rounds, lookup=lookup)
             drafting.encode_rows = functools.partial(capture_to_proto, engine.sessions.get(sid).capture_layers)
         return target_pb2.SessionOpened(
             session_id=sid, max_length=engine.sessions.get(sid).max_length,
@@ -251,6 +254,8 @@ class StepEngine:
         capture = capture_to_proto(engine.sessions.get(m.session_id).capture_layers, 0, out.captures)
         served = self.served.setdefault(m.session_id, ServedSession())
         served.step_ended = (time.perf_counter(), None, engine.prefill_state()[0])
+        if served.lookup is not None:
+            served.lookup.extend(out.prompt_tokens)
         drafting = served.drafting
         if drafting is not None:
             drafting.sampling.CopyFrom(m.sampling)
@@ -263,6 +268,8 @@ class StepEngine:
         length, pending = self.ready_engine().rollback(session_id, length)
         if (drafting := self.drafting_of(session_id)) is not None:
             drafting.rollback(length)
+            if (lookup := self.served[session_id].lookup) is not None:
+                lookup.truncate(min(length, len(lookup)))
         return target_pb2.RolledBack(length=length, pending_token=pending)
 
     def release(self, session_id: str) -> None:
@@ -330,6 +337,8 @@ class StepEngine:
         if arm != AR:
             self.round_calibration.observe_draft_rows(report.draft_depth)
         if drafting is not None:
+            if (lookup := self.served[sid].lookup) is not None:
+                lookup.extend(path_tokens)
             if committed.captures is not None and engine.sessions.get(sid).capture_layers:
                 drafting.append_rows(committed.start, path_tokens, committed.captures)  # encoded with the next round
             else:
@@ -340,11 +349,14 @@ class StepEngine:
             more = committed.length + 1 < max_length and (not tokens_left or len(out.path) + 1 < tokens_left)
             from_chain = drafting.chain_ahead(len(out.path) - 1, out.next_token)  # (the rest is for this step only)
             if self.draft_ahead and drafting.active and more:
-                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load, from_chain)
+                next_room = max_length - committed.length if not tokens_left else \
+                    min(max_length - committed.length, tokens_left - len(out.path))
+                drafting.next = self._draft_ahead(drafting, out.next_token, committed.length, load, from_chain,
+                                                  next_room)
             report.fallback_reason = self._fallback_reasons(drafting, failed_before)
             if self.metrics is not None:
-                self.metrics.observe_step(report, planned is not None and (planned.reply is not None
-                                                                           or planned.from_chain is not None))
+                self.metrics.observe_step(report, planned is not None and (
+                    planned.reply is not None or planned.from_chain is not None or planned.from_lookup is not None))
         return target_pb2.Stepped(tokens=path_tokens, next_token=out.next_token, token_texts=committed.token_texts,
                                   length=committed.length, report=report)
 
@@ -401,7 +413,14 @@ class StepEngine:
         asked for now. A round that fails or a malformed proposal leaves the step AR (the drafter's fault costs
         speed only)."""
         t0 = time.perf_counter()
-        if planned.from_chain is not None:  # the rest of the last chain: no round
+        if planned.from_chain is None and planned.reply is None:
+            planned.from_lookup = self._lookup(sid, drafting, planned.arm, pending, room)
+        if planned.from_lookup is not None:  # the drafter's prompt lookup, done here: no round
+            report.draft_ready = report.draft_from_lookup = True
+            proposal = planned.from_lookup
+            self.served[sid].rounds.wait_for_round(NEXT_ROUND_WAIT_S)
+            reply_depth = None
+        elif planned.from_chain is not None:  # the rest of the last chain: no round
             report.draft_ready = report.draft_from_chain = True
             proposal = planned.from_chain
             # other sessions' round under way: verify with them, not alone beside their drafter pass
@@ -480,7 +499,7 @@ class StepEngine:
             drafting.fail(why)
 
     def _draft_ahead(self, drafting: SessionDrafting, anchor: int, position: int, load: int,
-                     from_chain: draft_pb2.Proposal | None) -> NextStep:
+                     from_chain: draft_pb2.Proposal | None, room: int) -> NextStep:
         """Plan the session's next step now and, if it drafts, take `from_chain` (the rest of the chain just
         verified, where it still holds: no round) or ask for its proposal at once: the drafter works while the
         reply travels to the client and its next Step comes back."""
@@ -490,10 +509,34 @@ class StepEngine:
         arm = planned.arm
         if from_chain is not None:
             return NextStep(arm, from_chain=from_chain)
+        if (from_lookup := self._lookup(drafting.session_id, drafting, arm, anchor, room)) is not None:
+            return NextStep(arm, from_lookup=from_lookup)
         ops = drafting.round_ops(anchor, position, arm)
         rounds = self.served[drafting.session_id].rounds
         return NextStep(arm, ops, rounds.submit_ahead(RoundJob(drafting, ops, verify_follows=False)))
 
+
+    def _lookup(self, sid: str, drafting: SessionDrafting, arm: int, anchor: int, room: int
+                ) -> draft_pb2.Proposal | None:
+        """The drafter's prompt-lookup chain for this step, found here in the session's committed tokens with the
+        drafter's own settings (GetDrafterInfoResponse.prompt_lookup: the same candidates its proposer finds), when
+        that is what the drafter would answer: the ngram proposer's chain, or the hybrid's from its minimum match on
+        (below it the hybrid drafts the DSpark chain). None otherwise: the step asks the drafter."""
+        lookup, settings = self.served[sid].lookup, drafting.info.prompt_lookup
+        kind = drafting.options.proposal or draft_pb2.PROPOSAL_KIND_CHAIN
+        if lookup is None or room < 2 or kind != draft_pb2.PROPOSAL_KIND_CHAIN or \
+                arm not in (draft_pb2.PROPOSER_NGRAM, draft_pb2.PROPOSER_HYBRID):
+            return None
+        budget = drafting.options.budget or settings.chain_tokens
+        if budget < 1 or budget > drafting.info.max_tree_budget:  # the drafter's refusal is its to give
+            return None
+        candidates = anchored_candidates(lookup, anchor, settings.min_ngram, budget)
+        least = settings.hybrid_min_match if arm == draft_pb2.PROPOSER_HYBRID else settings.min_ngram
+        if not candidates or candidates[0].match_length < least:
+            return None
+        tree = ngram_tree(anchor, candidates[:1], budget)
+        return draft_pb2.Proposal(tree=common_pb2.TokenTree(tokens=tree.tokens, parents=tree.parents),
+                                  node_proposers=[0, *[draft_pb2.PROPOSER_NGRAM] * (len(tree.tokens) - 1)])
 
     # -- rounds --------------------------------------------------------------------------------------
 

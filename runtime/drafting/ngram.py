@@ -140,6 +140,18 @@ class NgramIndex:
         return _collect(toks, occurrences, max_tokens, max_candidates)
 
 
+def anchored_candidates(index: NgramIndex, anchor: int, min_ngram: int, max_tokens: int) -> list[Candidate]:
+    """Candidates for what follows `anchor` placed after the index's tokens (the matched suffix ends at the anchor),
+    best first; the index is left as it was. The draft service's prompt lookup and the target's (which skips the
+    round of a pure lookup step) find the same ones."""
+    length = len(index)
+    index.extend([anchor])
+    try:
+        return index.candidates(min_ngram=min_ngram, max_tokens=max_tokens)
+    finally:
+        index.truncate(length)
+
+
 def candidates_tree(anchor: int, candidates: Sequence[Candidate]) -> DraftTree:
     """The trie of the candidates below the anchor; a shared node gets the best score of those through it."""
     tree = DraftTree([anchor], [-1], [0.0], [0])

@@ -114,3 +114,16 @@ def test_candidates_are_real_continuations():
     for a in cands:
         for b in cands:
             assert a is b or a.tokens[:len(b.tokens)] != b.tokens, "a candidate is a prefix of another"
+
+
+def test_anchored_candidates_are_the_scans_with_the_anchor_and_leave_the_index_as_it_was():
+    from dspark_grpc.runtime.drafting.ngram import anchored_candidates
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    index = NgramIndex(4, tokens)
+    before = (list(index.tokens), {k: list(v) for k, v in index.positions.items()})
+    for anchor in range(6):
+        got = anchored_candidates(index, anchor, min_ngram=2, max_tokens=8)
+        assert got == ngram_candidates([*tokens, anchor], max_ngram=4, min_ngram=2, max_tokens=8)
+        assert (index.tokens, index.positions) == before

@@ -48,7 +48,8 @@ class OracleLink:
         return self.stream
 
 
-def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2.StepReport], list[int], int]:
+def run(servicer: TargetServicer, mode: int, prompt: common_pb2.Prompt = PROMPT
+        ) -> tuple[list[int], list[target_pb2.StepReport], list[int], int]:
     """Open, prefill and step a session: (the tokens after the prompt, each step's report and the position of its
     pending token, the prompt's length)."""
     owner, ids = Owner("test"), iter(range(1, 1000))
@@ -59,7 +60,7 @@ def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2
         return getattr(response, response.WhichOneof("result"))
 
     sid = ok(open=target_pb2.OpenSession(step_options=target_pb2.StepOptions(mode=mode))).session_id
-    prefilled = ok(prefill=target_pb2.Prefill(session_id=sid, prompt=PROMPT))
+    prefilled = ok(prefill=target_pb2.Prefill(session_id=sid, prompt=prompt))
     prompt_length = len(prefilled.prompt_tokens)
     tokens, reports, positions = [prefilled.next_token], [], []
     while len(tokens) < NEW_TOKENS:
@@ -71,11 +72,11 @@ def run(servicer: TargetServicer, mode: int) -> tuple[list[int], list[target_pb2
     return tokens[:NEW_TOKENS], reports, positions, prompt_length
 
 
-def ar_continuation(engine) -> tuple[list[int], dict[int, int]]:
-    """The engine's greedy AR tokens after PROMPT, and the same by position (zeros past them) for the oracle."""
+def ar_continuation(engine, prompt: common_pb2.Prompt = PROMPT) -> tuple[list[int], dict[int, int]]:
+    """The engine's greedy AR tokens after `prompt`, and the same by position (zeros past them) for the oracle."""
     ar_servicer = TargetServicer(64 << 20)
     ar_servicer.engine = engine
-    ar, _, _, prompt_length = run(ar_servicer, common_pb2.DECODE_MODE_AR)
+    ar, _, _, prompt_length = run(ar_servicer, common_pb2.DECODE_MODE_AR, prompt)
     greedy = {prompt_length + i: t for i, t in enumerate(ar)}
     greedy.update({prompt_length + len(ar) + i: 0 for i in range(CHAIN + 2)})  # past what the tests compare
     return ar, greedy
@@ -140,3 +141,42 @@ def test_generate_calls_the_step_engine_itself_and_its_output_is_ars(fast_engine
         drafter.rounds.close()
     assert ids == ar and stats.speculative_steps > 0 and stats.draft_rounds > 0, stats
     assert stats.acceptance_length > 1.5  # the oracle's drafts are accepted
+
+
+LOOKUP = draft_pb2.PromptLookupSettings(min_ngram=2, max_ngram=4, chain_tokens=8, hybrid_min_match=2)
+REPEATING = common_pb2.Prompt(text="red green blue yellow red green blue yellow red green blue yellow red green")
+
+
+def test_a_hybrid_step_that_is_a_lookup_chain_asks_no_round_and_the_output_is_ars(fast_engine):
+    """The drafter's prompt lookup done by the target (its settings from GetDrafterInfo): a hybrid step whose
+    context has a match of the drafter's minimum length or more verifies the lookup's chain without a round; the
+    others ask the drafter (here an oracle DSpark chain). Which steps are which follows from the tokens, recomputed
+    here by a scan of the whole context (runtime/drafting/ngram.py `ngram_candidates`, not the target's index)."""
+    from dspark_grpc.runtime.drafting.ngram import ngram_candidates
+
+    engine = fast_engine
+    ar, greedy = ar_continuation(engine, REPEATING)
+    servicer, stream, drafter = oracle_servicer(engine, greedy)
+    drafter.link.info.default_proposer = draft_pb2.PROPOSER_HYBRID
+    drafter.link.info.max_tree_budget = 64
+    drafter.link.info.prompt_lookup.CopyFrom(LOOKUP)
+    try:
+        spec, reports, positions, _ = run(servicer, common_pb2.DECODE_MODE_SPECULATION, REPEATING)
+    finally:
+        drafter.rounds.close()
+    prompt_ids = engine.encode_prompt(REPEATING.text, 512)
+    assert spec[: len(ar)] == ar
+    committed = [*prompt_ids, *ar]
+    expected = []
+    for p in positions:  # the context before the step's pending token, then that token (the anchor)
+        found = ngram_candidates(committed[: p + 1], max_ngram=LOOKUP.max_ngram, min_ngram=LOOKUP.min_ngram,
+                                 max_tokens=LOOKUP.chain_tokens)
+        expected.append(bool(found) and found[0].match_length >= LOOKUP.hybrid_min_match)
+    from_lookup = [r.draft_from_lookup for r in reports]
+    assert from_lookup == expected and any(from_lookup) and not all(from_lookup), (from_lookup, expected)
+    for r, looked_up in zip(reports, from_lookup, strict=True):
+        if looked_up:
+            assert r.draft_ready and r.round_seconds == 0 and r.draft_depth >= 1
+            assert set(r.accepted_proposers) <= {draft_pb2.PROPOSER_NGRAM}
+    asked = {op.propose.anchor_position for rnd in stream.rounds for op in rnd.ops if op.WhichOneof("op") == "propose"}
+    assert asked & set(positions) == {p for p, looked in zip(positions, from_lookup, strict=True) if not looked}

@@ -188,6 +188,19 @@ def test_bad_feature_rows(draft, target_rows):
         session_id=sid, start_position=0, tokens=PROMPT))
 
 
+def test_the_drafter_says_how_its_prompt_lookup_matches(target_rows):
+    """A target finds the same lookup candidates in its own tokens with these (target_service/step_engine.py
+    `_lookup`): the draft service's defaults, as `dspark-draft serve --help` gives them."""
+    from dspark_grpc.draft_service.engine import DraftLimits
+
+    info = target_rows[0]
+    limits = DraftLimits()
+    assert (info.prompt_lookup.min_ngram, info.prompt_lookup.max_ngram, info.prompt_lookup.chain_tokens,
+            info.prompt_lookup.hybrid_min_match) == (limits.ngram_min, limits.ngram_max, limits.ngram_chain,
+                                                     limits.hybrid_min_match)
+    assert info.prompt_lookup.min_ngram >= 1
+
+
 def test_bad_sessions_budgets_and_handshakes(draft, target_rows, draft_address):
     info, pre, fingerprint = target_rows
     draft.expect(NOT_FOUND, "unknown session", propose=draft_pb2.Propose(session_id="nope", anchor_token=1))

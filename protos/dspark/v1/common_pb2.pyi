@@ -158,7 +158,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer", "drafted_per_position", "accepted_per_position", "planned_ar_steps", "truncated_drafts", "forward_sessions", "forward_rows", "draft_pass_sessions", "session_bytes", "capture_bytes", "drafts_ready", "drafts_from_chain", "draft_rounds", "draft_round_seconds", "draft_service_seconds", "draft_compute_seconds")
+    __slots__ = ("prompt_tokens", "generated_tokens", "steps", "mode_run", "acceptance_length", "per_position_acceptance", "prefill_seconds", "decode_seconds", "draft_seconds", "verify_seconds", "transport_seconds", "tokens_per_second", "ar_steps", "speculative_steps", "fallback_reason", "committed_per_step", "accepted_by_proposer", "drafted_per_position", "accepted_per_position", "planned_ar_steps", "truncated_drafts", "forward_sessions", "forward_rows", "draft_pass_sessions", "session_bytes", "capture_bytes", "drafts_ready", "drafts_from_chain", "drafts_from_lookup", "draft_rounds", "draft_round_seconds", "draft_service_seconds", "draft_compute_seconds")
     class AcceptedByProposerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class GenerationStats(_message.Message):
     CAPTURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_READY_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FROM_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FROM_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SERVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -226,8 +227,9 @@ class GenerationStats(_message.Message):
     capture_bytes: int
     drafts_ready: int
     drafts_from_chain: int
+    drafts_from_lookup: int
     draft_rounds: int
     draft_round_seconds: float
     draft_service_seconds: float
     draft_compute_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., planned_ar_steps: _Optional[int] = ..., truncated_drafts: _Optional[int] = ..., forward_sessions: _Optional[float] = ..., forward_rows: _Optional[float] = ..., draft_pass_sessions: _Optional[float] = ..., session_bytes: _Optional[int] = ..., capture_bytes: _Optional[int] = ..., drafts_ready: _Optional[int] = ..., drafts_from_chain: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., draft_round_seconds: _Optional[float] = ..., draft_service_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mode_run: _Optional[_Union[DecodeMode, str]] = ..., acceptance_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., transport_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., ar_steps: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., committed_per_step: _Optional[_Iterable[int]] = ..., accepted_by_proposer: _Optional[_Mapping[str, int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., planned_ar_steps: _Optional[int] = ..., truncated_drafts: _Optional[int] = ..., forward_sessions: _Optional[float] = ..., forward_rows: _Optional[float] = ..., draft_pass_sessions: _Optional[float] = ..., session_bytes: _Optional[int] = ..., capture_bytes: _Optional[int] = ..., drafts_ready: _Optional[int] = ..., drafts_from_chain: _Optional[int] = ..., drafts_from_lookup: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., draft_round_seconds: _Optional[float] = ..., draft_service_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...

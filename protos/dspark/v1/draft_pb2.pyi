@@ -51,7 +51,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("name", "block_size", "target_layer_ids", "mask_token_id", "vocab_size", "target", "protocol_version", "slot_convention", "markov_rank", "has_confidence_head", "proposers", "default_proposer", "max_sessions", "max_tree_budget", "max_message_bytes", "live_sessions", "session_socket")
+    __slots__ = ("name", "block_size", "target_layer_ids", "mask_token_id", "vocab_size", "target", "protocol_version", "slot_convention", "markov_rank", "has_confidence_head", "proposers", "default_proposer", "max_sessions", "max_tree_budget", "max_message_bytes", "live_sessions", "session_socket", "prompt_lookup")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GetDrafterInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     name: str
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +87,20 @@ class GetDrafterInfoResponse(_message.Message):
     max_message_bytes: int
     live_sessions: int
     session_socket: str
-    def __init__(self, name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., slot_convention: _Optional[_Union[SlotConvention, str]] = ..., markov_rank: _Optional[int] = ..., has_confidence_head: _Optional[bool] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., default_proposer: _Optional[_Union[Proposer, str]] = ..., max_sessions: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., live_sessions: _Optional[int] = ..., session_socket: _Optional[str] = ...) -> None: ...
+    prompt_lookup: PromptLookupSettings
+    def __init__(self, name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., mask_token_id: _Optional[int] = ..., vocab_size: _Optional[int] = ..., target: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, str]] = ..., slot_convention: _Optional[_Union[SlotConvention, str]] = ..., markov_rank: _Optional[int] = ..., has_confidence_head: _Optional[bool] = ..., proposers: _Optional[_Iterable[_Union[Proposer, str]]] = ..., default_proposer: _Optional[_Union[Proposer, str]] = ..., max_sessions: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., live_sessions: _Optional[int] = ..., session_socket: _Optional[str] = ..., prompt_lookup: _Optional[_Union[PromptLookupSettings, _Mapping]] = ...) -> None: ...
+
+class PromptLookupSettings(_message.Message):
+    __slots__ = ("min_ngram", "max_ngram", "chain_tokens", "hybrid_min_match")
+    MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HYBRID_MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
+    min_ngram: int
+    max_ngram: int
+    chain_tokens: int
+    hybrid_min_match: int
+    def __init__(self, min_ngram: _Optional[int] = ..., max_ngram: _Optional[int] = ..., chain_tokens: _Optional[int] = ..., hybrid_min_match: _Optional[int] = ...) -> None: ...
 
 class DraftSessionRequest(_message.Message):
     __slots__ = ("request_id", "open", "append", "propose", "truncate", "release", "round")

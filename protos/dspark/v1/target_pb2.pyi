@@ -263,7 +263,7 @@ class Stepped(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., token_texts: _Optional[_Iterable[str]] = ..., length: _Optional[int] = ..., report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("draft_depth", "tree_nodes", "accepted_proposers", "draft_seconds", "verify_seconds", "batch_sessions", "batch_rows", "draft_batch_sessions", "planned_ar", "truncated", "draft_ready", "fallback_reason", "draft_from_chain", "round_seconds", "round_drafter_seconds", "draft_compute_seconds")
+    __slots__ = ("draft_depth", "tree_nodes", "accepted_proposers", "draft_seconds", "verify_seconds", "batch_sessions", "batch_rows", "draft_batch_sessions", "planned_ar", "truncated", "draft_ready", "fallback_reason", "draft_from_chain", "draft_from_lookup", "round_seconds", "round_drafter_seconds", "draft_compute_seconds")
     DRAFT_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PROPOSERS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class StepReport(_message.Message):
     DRAFT_READY_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FROM_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FROM_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_DRAFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -293,10 +294,11 @@ class StepReport(_message.Message):
     draft_ready: bool
     fallback_reason: str
     draft_from_chain: bool
+    draft_from_lookup: bool
     round_seconds: float
     round_drafter_seconds: float
     draft_compute_seconds: float
-    def __init__(self, draft_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_proposers: _Optional[_Iterable[_Union[_draft_pb2.Proposer, str]]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., draft_batch_sessions: _Optional[int] = ..., planned_ar: _Optional[bool] = ..., truncated: _Optional[bool] = ..., draft_ready: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., draft_from_chain: _Optional[bool] = ..., round_seconds: _Optional[float] = ..., round_drafter_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, draft_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_proposers: _Optional[_Iterable[_Union[_draft_pb2.Proposer, str]]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., draft_batch_sessions: _Optional[int] = ..., planned_ar: _Optional[bool] = ..., truncated: _Optional[bool] = ..., draft_ready: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., draft_from_chain: _Optional[bool] = ..., draft_from_lookup: _Optional[bool] = ..., round_seconds: _Optional[float] = ..., round_drafter_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("session_id",)
