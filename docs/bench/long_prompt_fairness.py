@@ -1,9 +1,10 @@
 """What one client's long prompt costs another client's short request, as docs/RELIABILITY.md reports it: a 32-token
 greedy AR request alone vs while a ~4,000-token prompt prefills, and that prompt's prefill (its first token) alone vs
 beside the short request. Rounds interleave the three measurements (a machine drifts); ratios are per round. Starts
-its own target (the default model and precision, no drafter) on loopback; prints one JSON object. Usage:
+its own target (the default model and precision, no drafter) on loopback; prints one JSON object (machine, commit,
+results) and, with --plot, draws each round's two ratios. Usage:
 
-    PYTHONPATH=. .venv/bin/python docs/bench/long_prompt_fairness.py [--prompt-tokens 4000] [--rounds 3]
+    PYTHONPATH=. .venv/bin/python docs/bench/long_prompt_fairness.py [--prompt-tokens 4000] [--rounds 3] [--plot P]
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 
+from dspark_grpc.client.bench import git_commit, machine_info
 from dspark_grpc.protos.dspark.v1 import common_pb2
 
 from tests.reliability.conftest import service
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--head-start", type=float, default=0.5, help="seconds the long prompt prefills alone first")
     p.add_argument("--target-arg", action="append", default=[], help="extra argument for dspark-target serve")
+    p.add_argument("--plot", help="write a PNG of each round's ratios here")
     args = p.parse_args()
     rows: dict[str, list[float]] = {k: [] for k in ("short_alone_s", "short_beside_prefill_s", "prefill_alone_s",
                                                     "prefill_beside_short_s")}
@@ -75,13 +78,42 @@ def main() -> None:
             load.append(os.getloadavg()[0])
     short_ratio = [b / a for a, b in zip(rows["short_alone_s"], rows["short_beside_prefill_s"], strict=True)]
     prefill_ratio = [b / a for a, b in zip(rows["prefill_alone_s"], rows["prefill_beside_short_s"], strict=True)]
-    report = {k: dict(median=round(statistics.median(v), 3), each=[round(x, 3) for x in v]) for k, v in rows.items()}
-    report.update(prompt_tokens=prompt_tokens, short_ratio=[round(x, 2) for x in short_ratio],
-                  prefill_ratio=[round(x, 2) for x in prefill_ratio], head_start_s=args.head_start,
-                  target_args=args.target_arg, cpu=platform.processor() or platform.machine(),
-                  load_average_1min=[round(x, 1) for x in load])
+    results = {k: dict(median=round(statistics.median(v), 3), each=[round(x, 3) for x in v]) for k, v in rows.items()}
+    results.update(short_ratio=[round(x, 2) for x in short_ratio], prefill_ratio=[round(x, 2) for x in prefill_ratio],
+                   load_average_1min=[round(x, 1) for x in load])
+    report = {"command": sys.argv, "machine": machine_info(),
+              "config": dict(commit=git_commit() or "unknown", prompt_tokens=prompt_tokens, rounds=args.rounds,
+                             head_start_s=args.head_start, target_args=args.target_arg),
+              "results": results}
     print(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
 
+
+def plot(report: dict, path: str) -> None:
+    """Each round's two ratios (beside / alone) against the bounds issue 58 set for them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r, m, commit = report["results"], report["machine"], report["config"]["commit"]
+    rounds = range(1, len(r["short_ratio"]) + 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rounds, r["short_ratio"], "o-", label="32-token request beside the prefill / alone (bound 2.0x)")
+    ax.plot(rounds, r["prefill_ratio"], "s-", label="the prefill beside the request / alone (bound 1.2x)")
+    for bound in (2.0, 1.2):
+        ax.axhline(bound, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(list(rounds))
+    ax.set_xlabel("round (interleaved)")
+    ax.set_ylabel("time beside / time alone")
+    ax.set_ylim(0, 2.4)
+    ax.set_title(f"A {report['config']['prompt_tokens']}-token prompt beside a short request\n"
+                 f"{m.get('cpu_model', m.get('processor'))}, {m['cpu_count']} CPUs | commit {commit}",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 if __name__ == "__main__":
     main()
