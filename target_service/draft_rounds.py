@@ -36,9 +36,9 @@ from dspark_grpc.protos.dspark.v1 import draft_pb2
 from dspark_grpc.serving.batching import StepBatcher
 from dspark_grpc.speculation.channel import SessionStream
 from dspark_grpc.speculation.generation import RequestError
-from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.speculation.wire import CODE_NAMES
 from dspark_grpc.target_service.drafter_link import DrafterLink
+from dspark_grpc.target_service.steps import SessionDrafting
 
 # How long a round waits for a session of the last round that has not asked for its next proposal yet: it is
 # verifying (one forward, a prompt's chunks at most); only a step thread that never gets to run waits this long.

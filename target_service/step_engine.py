@@ -36,11 +36,11 @@ from dspark_grpc.speculation.round_planner import (
     plan_depths,
     rows_beside,
 )
-from dspark_grpc.speculation.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
 from dspark_grpc.target_service.draft_rounds import NEXT_ROUND_WAIT_S, DraftRounds, RoundJob, RoundReply
 from dspark_grpc.target_service.drafter_link import DrafterLink
 from dspark_grpc.target_service.drafter_pool import Drafter, DrafterPool
 from dspark_grpc.target_service.engine import Committed, Prompt, TargetEngine
+from dspark_grpc.target_service.steps import NextStep, SessionDrafting, chain_confidences, tree_depth
 
 NEIGHBOURS_MEMORY_S = 1.0  # a session counts as stepping beside the others this long after its last step
 GOLDEN = (5**0.5 - 1) / 2  # k x GOLDEN mod 1: the sessions' phases of turns, spread evenly whatever their number

@@ -10,9 +10,9 @@ import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.cost_table import CostKey, CostTable
 from dspark_grpc.speculation.mode_chooser import AR, SPECULATE, ModeChooser
-from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.target_service import step_engine
 from dspark_grpc.target_service.step_engine import ServedSession, StepEngine
+from dspark_grpc.target_service.steps import SessionDrafting
 
 DSPARK = draft_pb2.PROPOSER_DSPARK
 

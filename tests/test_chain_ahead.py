@@ -7,8 +7,8 @@ import struct
 
 import pytest
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.speculation.tensors import float32_values
+from dspark_grpc.target_service.steps import SessionDrafting
 
 ANCHOR, CHAIN = 5, [11, 12, 13, 14, 15]
 CONFIDENCES = [0.9, 0.8, 0.7, 0.6, 0.5]  # exact in float32

@@ -13,8 +13,8 @@ from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.serving.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.generation import RequestError
 from dspark_grpc.speculation.mode_chooser import ModeChooser
-from dspark_grpc.speculation.steps import SessionDrafting
 from dspark_grpc.target_service.draft_rounds import DraftRounds, RoundJob
+from dspark_grpc.target_service.steps import SessionDrafting
 
 HANG_S = 60.0  # a wait for another thread, or a draft timeout no round here should reach: only a hang reaches it
 NEXT_ROUND_S = 600.0  # how long a round may wait for the sessions of the last one: far past HANG_S

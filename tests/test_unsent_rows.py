@@ -4,7 +4,7 @@ run of consecutive rows, encoded once (SessionDrafting.append_rows), torch-free 
 from __future__ import annotations
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
-from dspark_grpc.speculation.steps import SessionDrafting
+from dspark_grpc.target_service.steps import SessionDrafting
 
 
 def drafting(encoded: list) -> SessionDrafting:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, target_pb2
 from dspark_grpc.speculation.generation import RequestError
-from dspark_grpc.speculation.steps import SessionDrafting, joined_appends
 from dspark_grpc.speculation.tensors import concat_rows
 from dspark_grpc.target_service.draft_rounds import DraftRounds
 from dspark_grpc.target_service.drafter_pool import Drafter, DrafterPool
 from dspark_grpc.target_service.servicer import TargetServicer
+from dspark_grpc.target_service.steps import SessionDrafting, joined_appends
 
 from tests.service.test_chain_ahead_steps import OracleLink, oracle, run
 from tests.test_draft_rounds import FakeStream
