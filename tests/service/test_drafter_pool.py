@@ -26,6 +26,9 @@ PROMPTS = ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", "a b c d a b c d a b c d a b", "r
            "x = x + 1\nx = x + 1\nx = x + 1\nx ="]
 TOKENS = 16
 LONG = 64  # tokens of the requests that a kill interrupts
+# Tree proposals: the target finds prompt-lookup chains itself (no round), never trees, so every speculative step of
+# these sessions asks its drafter for a round: whether a drafter is asked does not hang on what the lookup matches.
+TREE = "tree"
 UNAVAILABLE = 14
 
 
@@ -78,8 +81,8 @@ class Requests:
     """Concurrent streaming requests (one thread each); `wait_tokens(n)` returns once every request still running
     has streamed n tokens (a gate on progress, not on time)."""
 
-    def __init__(self, client: TargetClient, prompts: list[str], tokens: int) -> None:
-        self.client, self.tokens = client, tokens
+    def __init__(self, client: TargetClient, prompts: list[str], tokens: int, proposal: str = TREE) -> None:
+        self.client, self.tokens, self.proposal = client, tokens, proposal
         self.streamed = [0] * len(prompts)
         self.results: list[tuple[list[int], common_pb2.GenerationStats] | RequestError | None] = [None] * len(prompts)
         self.progress = threading.Condition()
@@ -91,7 +94,7 @@ class Requests:
         stats, ids = common_pb2.GenerationStats(), []
         try:
             for _, toks, _ in self.client.stream(prompt, max_new_tokens=self.tokens, ignore_eos=True, stats=stats,
-                                                 mode="speculation"):
+                                                 mode="speculation", proposal=self.proposal):
                 ids += toks
                 with self.progress:
                     self.streamed[i] = len(ids)
@@ -116,7 +119,8 @@ class Requests:
 def test_two_targets_and_two_drafters_serve_and_every_output_equals_ar(stack, reference):
     before = [proposals(d.metrics) for d in stack.drafters]
     prompts = PROMPTS * 4  # 16 concurrent requests
-    with TargetClient([t.address for t in stack.targets], mode="speculation") as client, ThreadPoolExecutor(16) as pool:
+    with TargetClient([t.address for t in stack.targets], mode="speculation", proposal=TREE) as client, \
+            ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: client.generate(p, max_new_tokens=TOKENS, ignore_eos=True), prompts))
         counted = dict(client.requests_by_target)
     assert [r.token_ids for r in results] == [reference[p, TOKENS] for p in prompts]
