@@ -163,5 +163,5 @@ def convert_main() -> None:
 
 
 def train_main() -> None:
-    _service_main("dspark-train", "dspark_grpc.runtime.train.cli",
+    _service_main("dspark-train", "dspark_grpc.train.cli",
                   "Self-distil a DSpark drafter for a target model, end to end")

@@ -4,6 +4,7 @@
     speculation  <-  runtime (model math)  <-  serving (batcher, sessions, codec, gRPC skeleton, profilers)
         <-  target_service, draft_service
     speculation  <-  client (the SDK: torch-free)
+    runtime, client  <-  train (the drafter's trainer: a tool on top, which records its runs as the bench does)
 
 No service imports the other or the SDK; the SDK imports neither a service, nor runtime, nor torch; nothing below
 the SDK imports it. And no module imports itself through others (no import cycle, imports inside functions
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "serving", "client", "target_service", "draft_service")
+FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "serving", "client", "target_service", "draft_service",
+           "train")
 ALLOWED = {  # folder -> what it may import of ours (itself always)
     "protos": set(),
     "dspark_grpc": set(),
@@ -29,6 +31,7 @@ ALLOWED = {  # folder -> what it may import of ours (itself always)
     "serving": {"protos", "cli_common", "speculation", "runtime"},
     "target_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
     "draft_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
+    "train": {"speculation", "runtime", "client"},  # a tool over the model math; the bench's machine record
 }
 NO_TORCH = ("protos", "dspark_grpc", "speculation", "client")
 FOLDER_OF = {"cli_common": "dspark_grpc"}

@@ -10,7 +10,7 @@ from pathlib import Path
 from dspark_grpc.speculation import wire
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("speculation", "runtime", "serving", "client", "target_service", "draft_service")
+FOLDERS = ("speculation", "runtime", "serving", "client", "target_service", "draft_service", "train")
 HOME = Path("speculation/wire.py")
 NAMES = {wire.AR, wire.SPECULATION, wire.ADAPTIVE, wire.DSPARK, wire.NGRAM, wire.HYBRID, wire.CHAIN, wire.TREE,
          wire.FUSED, wire.TORCH}
@@ -23,7 +23,7 @@ OTHER_MEANINGS = {
     ("runtime/formats/drafter_config.py", "dspark"): "the drafter's slot convention and checkpoint kind",
     ("runtime/formats/drafter_formats.py", "dspark"): "the checkpoint kind (speculators' algorithm name)",
     ("runtime/models/drafter.py", "dspark"): "the drafter's slot convention",
-    ("runtime/train/loop.py", "dspark"): "the drafter's slot convention",
+    ("train/loop.py", "dspark"): "the drafter's slot convention",
     ("draft_service/servicer.py", "dspark"): "the drafter's slot convention on the wire",
     ("serving/openmp.py", "torch"): "the module's name",
     ("target_service/servicer.py", "tree"): "a proto field's name (HasField)",

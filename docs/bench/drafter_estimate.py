@@ -9,7 +9,7 @@ The sequences: the held-out shards of a dspark-train feature cache (<key>), or a
 continued greedily by the embedded target in the fast precision (up to 128 new tokens, as `dspark bench
 --max-new-tokens 128` does; chat prompts in the chat template, plain prompts as they are), with an anchor at every
 position. Each DRAFTER is a drafter directory for the embedded target. Prints the acceptance length and the
-per-position acceptance of greedy chains (runtime/train/loop.py `evaluate`, the estimate dspark-train logs at every
+per-position acceptance of greedy chains (train/loop.py `evaluate`, the estimate dspark-train logs at every
 eval).
 """
 
@@ -23,10 +23,10 @@ import torch
 from dspark_grpc.client.bench import HUMANEVAL, load_prompts
 from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
-from dspark_grpc.runtime.train.cli import load_target
-from dspark_grpc.runtime.train.data import Prompt, TargetSequence, encode_prompt, generate_batch
-from dspark_grpc.runtime.train.loop import TrainSettings, evaluate
-from dspark_grpc.runtime.train.vocab import DraftVocab
+from dspark_grpc.train.cli import load_target
+from dspark_grpc.train.data import Prompt, TargetSequence, encode_prompt, generate_batch
+from dspark_grpc.train.loop import TrainSettings, evaluate
+from dspark_grpc.train.vocab import DraftVocab
 
 NEW_TOKENS = 128
 HUMANEVAL_LIMIT = 40

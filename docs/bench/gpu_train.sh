@@ -22,7 +22,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 [ -n "${SETUP:-}" ] && source "$SETUP" > $OUT/setup.log 2>&1
 CACHE=/dev/shm/dspark-cache; [ -d /dev/shm ] || CACHE=/tmp/dspark-cache
 [ -n "${CACHE_DIR:-}" ] && CACHE=$CACHE_DIR
-PY="$PYBIN -m dspark_grpc.runtime.train.cli"
+PY="$PYBIN -m dspark_grpc.train.cli"
 if [ $SCALE = full ]; then
   DATA="--train-prompts 20000 --heldout-prompts 64 --code-prompts 1000 --stdlib-prompts 1000 --max-new-tokens 256 --gen-batch 2560"
   TRAIN="--steps 200000 --batch 32 --anchors 32 --lr 1.5e-3 --eval-every 1000 --threads 4"

@@ -23,7 +23,7 @@ PARSERS = {  # program -> the module whose parser() it runs
     ".venv/bin/dspark": "dspark_grpc.client.cli",
     ".venv/bin/dspark-target": "dspark_grpc.target_service.cli",
     ".venv/bin/dspark-draft": "dspark_grpc.draft_service.cli",
-    ".venv/bin/dspark-train": "dspark_grpc.runtime.train.cli",
+    ".venv/bin/dspark-train": "dspark_grpc.train.cli",
     ".venv/bin/dspark-convert": "dspark_grpc.runtime.formats.drafter_formats",
 }
 README_TARGET = "127.0.0.1:50051"

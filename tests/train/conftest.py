@@ -12,7 +12,7 @@ from dspark_grpc.runtime.drafting.sampling import SamplingParams
 from dspark_grpc.runtime.formats.checkpoint import _HF_GLOBAL, _HF_LAYER, load_checkpoint
 from dspark_grpc.runtime.models.config import ModelConfig
 from dspark_grpc.runtime.models.transformer import Transformer
-from dspark_grpc.runtime.train.data import TargetSequence, generate_batch
+from dspark_grpc.train.data import TargetSequence, generate_batch
 from safetensors.torch import save_file
 
 VOCAB, LAYERS, EOS = 128, 4, 2

@@ -7,7 +7,7 @@ import torch
 from dspark_grpc.runtime.formats.drafter_config import drafter_config_from_hf
 from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter, save_drafter
 from dspark_grpc.runtime.formats.safetensors_reader import read_hf_config
-from dspark_grpc.runtime.train.calibrate import (
+from dspark_grpc.train.calibrate import (
     apply_temperatures,
     ece,
     fit_temperatures,

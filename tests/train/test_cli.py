@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
-from dspark_grpc.runtime.train import cli
+from dspark_grpc.train import cli
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from .conftest import VOCAB, Tiny

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_grpc.runtime.drafting.sampling import SamplingParams
-from dspark_grpc.runtime.train import data
-from dspark_grpc.runtime.train.data import (
+from dspark_grpc.train import data
+from dspark_grpc.train.data import (
     FeatureCache,
     GenerationSettings,
     Prompt,
@@ -238,3 +238,42 @@ def test_feature_cache_round_trip_and_resume(tiny: Tiny, tmp_path: Path):
     assert cache.shard_path(0, ["p0", "p1"], "heldout").exists()
     assert FeatureCache(tmp_path, {**key, "top_k": 8}).dir != cache.dir
     assert json.loads((cache.dir / "meta.json").read_text())["layer_ids"] == list(LAYER_IDS)
+
+
+def test_feature_cache_checksums_find_a_corrupted_shard_and_generate_it_again(tiny: Tiny, tmp_path: Path, capsys):
+    ps = [Prompt(f"p{i}", " ".join(map(str, p)), "code") for i, p in enumerate(prompts(5, 11))]
+    settings = GenerationSettings(max_new_tokens=6, top_k=4, sampled_fraction=0.5, seed=1)
+    cache = FeatureCache(tmp_path, data.cache_key("tiny", LAYER_IDS, settings, 64, 0.1))
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])
+        return generate_batch(*args, **kwargs)
+
+    def build() -> list[data.TargetSequence]:
+        return data.build_sequences(tiny.model, CountingTokenizer(), ps, LAYER_IDS, settings, cache, shard_size=2,
+                                    generate=counting)
+
+    first = build()
+    shards = sorted(cache.dir.glob("shard-*.pt"))
+    assert cache.manifest() == {p.name: data.file_sha256(p) for p in shards} and len(shards) == 3 == len(calls)
+    corrupted = cache.shard_path(1, ["p2", "p3"])
+    raw = bytearray(corrupted.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a flipped bit in a tensor still loads: only the checksum tells
+    corrupted.write_bytes(bytes(raw))
+    with pytest.raises(data.CorruptShard, match="is not the .* its manifest recorded"):
+        cache.load(1, ["p2", "p3"])  # a reader that cannot generate refuses it
+    stamps = {p: p.stat().st_mtime_ns for p in shards if p != corrupted}
+    again = build()
+    assert calls == [["p0", "p1"], ["p2", "p3"], ["p4"], ["p2", "p3"]]
+    assert f"{corrupted}: sha256" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert cache.manifest()[corrupted.name] == data.file_sha256(corrupted)
+    assert all(torch.equal(a.features, b.features) for a, b in zip(first, again, strict=True))
+    # a shard the manifest does not know (written before manifests) is recorded when read; one cut short is refused
+    (cache.dir / FeatureCache.MANIFEST).unlink()
+    last = cache.shard_path(2, ["p4"])
+    last.write_bytes(last.read_bytes()[:100])
+    build()
+    assert calls[4:] == [["p4"]] and "does not load" in capsys.readouterr().err
+    assert cache.manifest() == {p.name: data.file_sha256(p) for p in shards}

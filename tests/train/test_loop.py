@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
-from dspark_grpc.runtime.train import loop
-from dspark_grpc.runtime.train.calibrate import apply_temperatures
-from dspark_grpc.runtime.train.loop import (
+from dspark_grpc.train import loop
+from dspark_grpc.train.calibrate import apply_temperatures
+from dspark_grpc.train.loop import (
     DRAFTER_DIR,
     TrainSettings,
     batch_for_step,
@@ -22,8 +22,8 @@ from dspark_grpc.runtime.train.loop import (
     suggest_block_size,
     train,
 )
-from dspark_grpc.runtime.train.model import anchor_range, decoded_steps, init_drafter, trainable_parameters
-from dspark_grpc.runtime.train.vocab import build_draft_vocab, token_counts
+from dspark_grpc.train.model import anchor_range, decoded_steps, init_drafter, trainable_parameters
+from dspark_grpc.train.vocab import build_draft_vocab, token_counts
 
 from .conftest import VOCAB, Tiny
 

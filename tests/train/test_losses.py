@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dspark_grpc.runtime.train.losses import (
+from dspark_grpc.train.losses import (
     LossWeights,
     argmax_ce,
     dspark_loss,
@@ -17,7 +17,7 @@ from dspark_grpc.runtime.train.losses import (
     teacher_probs,
     tv_distance,
 )
-from dspark_grpc.runtime.train.vocab import DraftVocab
+from dspark_grpc.train.vocab import DraftVocab
 from tolerance import gamma, log_softmax_error, softmax_error, unit_roundoff
 
 V, K_TOP = 20, 5

@@ -7,7 +7,7 @@ import torch
 from drafter.helpers import block_tolerances
 from dspark_grpc.runtime.drafting.markov import draft_chain
 from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
-from dspark_grpc.runtime.train.model import (
+from dspark_grpc.train.model import (
     accepted_lengths,
     confidence_logits,
     corrected_logits,
@@ -18,7 +18,7 @@ from dspark_grpc.runtime.train.model import (
     make_batch,
     spread_anchors,
 )
-from dspark_grpc.runtime.train.vocab import DraftVocab
+from dspark_grpc.train.vocab import DraftVocab
 from heads.reference import chain_tolerances, confidence_tolerance, reference_bias, reference_step, z_bound
 
 from .conftest import LAYER_IDS, VOCAB, Tiny

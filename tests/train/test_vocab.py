@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_grpc.runtime.train.vocab import DraftVocab, build_draft_vocab, coverage, token_counts
+from dspark_grpc.train.vocab import DraftVocab, build_draft_vocab, coverage, token_counts
 
 
 def test_top_ids_ties_forced_ids_and_mappings():

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from dspark_grpc.runtime.formats.drafter_formats import save_drafter
 from dspark_grpc.runtime.models.drafter import Drafter
-from dspark_grpc.runtime.train.calibrate import survival_ece
-from dspark_grpc.runtime.train.data import TargetSequence, stderr_progress
-from dspark_grpc.runtime.train.losses import LossTerms, LossWeights, dspark_loss
-from dspark_grpc.runtime.train.model import (
+from dspark_grpc.train.calibrate import survival_ece
+from dspark_grpc.train.data import TargetSequence, stderr_progress
+from dspark_grpc.train.losses import LossTerms, LossWeights, dspark_loss
+from dspark_grpc.train.model import (
     AnchorBatch,
     accepted_lengths,
     anchor_range,

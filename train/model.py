@@ -23,8 +23,8 @@ from dspark_grpc.runtime.formats.drafter_config import default_target_layer_ids
 from dspark_grpc.runtime.formats.drafter_formats import init_random_drafter
 from dspark_grpc.runtime.models.drafter import BlockKV, Drafter, sliding_mask
 from dspark_grpc.runtime.models.transformer import Transformer
-from dspark_grpc.runtime.train.data import TargetSequence
-from dspark_grpc.runtime.train.vocab import DraftVocab
+from dspark_grpc.train.data import TargetSequence
+from dspark_grpc.train.vocab import DraftVocab
 from torch import Tensor
 
 

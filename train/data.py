@@ -13,7 +13,8 @@ from the target's own continuation.
 
 Cache: shards of generated sequences under `.cache/dspark-train/<key>/`, keyed by the target's weights, layer ids,
 top-k and generation settings; a shard's file name carries the hash of its prompts, so a run resumes where it
-stopped and a longer prompt list reuses the shards of a shorter one.
+stopped and a longer prompt list reuses the shards of a shorter one. manifest.json records each shard's sha256 as
+it is written; a shard that no longer matches it (or no longer loads) is generated again.
 """
 
 from __future__ import annotations
@@ -504,8 +505,23 @@ def target_digest(ckpt: Checkpoint) -> str:
     return h.hexdigest()
 
 
+class CorruptShard(ValueError):
+    """A cached shard whose bytes do not match the sha256 its manifest recorded, or that does not load."""
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 class FeatureCache:
-    """Shards of TargetSequences under root/<key digest>/, written atomically; meta.json records the key."""
+    """Shards of TargetSequences under root/<key digest>/, written atomically; meta.json records the key and
+    manifest.json each shard's sha256 (a shard written before manifests existed is recorded when first read)."""
+
+    MANIFEST = "manifest.json"
 
     def __init__(self, root: str | os.PathLike[str], key: dict[str, Any]) -> None:
         self.key = key
@@ -520,19 +536,44 @@ class FeatureCache:
         digest = hashlib.sha256("\n".join(prompt_ids).encode()).hexdigest()[:12]
         return self.dir / f"shard-{role}-{index:05d}-{digest}.pt"
 
+    def manifest(self) -> dict[str, str]:
+        """Shard file name -> sha256."""
+        path = self.dir / self.MANIFEST
+        return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+    def _record(self, name: str, sha256: str) -> None:
+        # read-modify-replace: a writer racing another may drop the other's entry, which is then recorded on its
+        # next read, never trusted wrongly
+        manifest = {**self.manifest(), name: sha256}
+        tmp = self.dir / f"{self.MANIFEST}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.dir / self.MANIFEST)
+
     def load(self, index: int, prompt_ids: Sequence[str], role: str = "train") -> list[TargetSequence] | None:
+        """The shard's sequences; None if it was never written; CorruptShard if its bytes changed since."""
         path = self.shard_path(index, prompt_ids, role)
         if not path.exists():
             return None
-        records = torch.load(path, weights_only=True)
-        return [TargetSequence(**r) for r in records]
+        actual, recorded = file_sha256(path), self.manifest().get(path.name)
+        if recorded is not None and actual != recorded:
+            raise CorruptShard(f"{path}: sha256 {actual[:16]} is not the {recorded[:16]} its manifest recorded")
+        try:
+            records = torch.load(path, weights_only=True)
+            sequences = [TargetSequence(**r) for r in records]
+        except Exception as e:  # a truncated or foreign file: torch's and pickle's errors vary
+            raise CorruptShard(f"{path}: does not load ({type(e).__name__}: {e})") from e
+        if recorded is None:
+            self._record(path.name, actual)
+        return sequences
 
     def save(self, index: int, prompt_ids: Sequence[str], sequences: Sequence[TargetSequence],
              role: str = "train") -> Path:
         path = self.shard_path(index, prompt_ids, role)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         torch.save([{f.name: getattr(s, f.name) for f in fields(TargetSequence)} for s in sequences], tmp)
+        sha256 = file_sha256(tmp)
         os.replace(tmp, path)
+        self._record(path.name, sha256)
         return path
 
 
@@ -565,7 +606,11 @@ def build_sequences(
         shard = encoded[begin: begin + shard_size]
         ids = [p.id for p, _ in shard]
         role = "heldout" if heldout else "train"
-        loaded = cache.load(index, ids, role) if cache is not None else None
+        try:
+            loaded = cache.load(index, ids, role) if cache is not None else None
+        except CorruptShard as e:
+            print(f"\r\033[K[dspark-train] {e}: generating it again", file=sys.stderr, flush=True)
+            loaded = None
         if loaded is None:
             modes = [settings.mode(p.id, heldout) for p, _ in shard]
             loaded = generate(model, [t for _, t in shard], layer_ids, settings.max_new_tokens, settings.top_k,

@@ -3,19 +3,32 @@
 prompts -> target generations with features and top-k logits (cached; in the precision the target serves, batched as
 the target service batches) -> draft vocabulary -> warm-started drafter
 -> training with held-out acceptance estimates -> confidence calibration -> out/drafter (speculators layout, with
-the temperatures in config.json), out/train_state.pt (resume), out/report.json.
+the temperatures in config.json), out/train_state.pt (resume), out/report.json (also beside an --export).
+
+`--config RECIPE.toml` reads the options from a TOML file (train/recipes/): each key is an option's name with
+'_' for '-' (`train_prompts = 2000` is `--train-prompts 2000`, `true` turns a flag on, a list is comma-joined);
+options given on the command line override the file's, and report.json records the effective ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import hashlib
 import json
+import os
+import platform
 import sys
 import time
+import tomllib
+from collections import Counter
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from dspark_grpc.client.bench import git_commit, machine_info
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
@@ -24,14 +37,15 @@ from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
 from dspark_grpc.runtime.models.drafter import Drafter
 from dspark_grpc.runtime.models.padded import supports as padded_supports
 from dspark_grpc.runtime.models.transformer import Transformer
-from dspark_grpc.runtime.train.calibrate import (
+from dspark_grpc.train.calibrate import (
     apply_temperatures,
     fit_temperatures,
     survival_ece,
     validated_temperatures,
 )
-from dspark_grpc.runtime.train.data import (
+from dspark_grpc.train.data import (
     DEFAULT_CACHE,
+    REPEAT,
     FeatureCache,
     GenerationSettings,
     Prompt,
@@ -39,19 +53,21 @@ from dspark_grpc.runtime.train.data import (
     build_sequences,
     cache_key,
     code_prompts,
+    file_sha256,
     generate_batch,
     generate_padded,
     read_sharegpt,
     sampled_repeats,
+    sharegpt_path,
     shuffle_prompts,
     split_prompts,
     stderr_progress,
     target_digest,
 )
-from dspark_grpc.runtime.train.loop import DRAFTER_DIR, TrainSettings, evaluate, load_state, suggest_block_size, train
-from dspark_grpc.runtime.train.losses import LossWeights
-from dspark_grpc.runtime.train.model import default_layer_ids, init_drafter, trainable_parameters
-from dspark_grpc.runtime.train.vocab import DraftVocab, build_draft_vocab, coverage_report, token_counts
+from dspark_grpc.train.loop import DRAFTER_DIR, TrainSettings, evaluate, load_state, suggest_block_size, train
+from dspark_grpc.train.losses import LossWeights
+from dspark_grpc.train.model import default_layer_ids, init_drafter, trainable_parameters
+from dspark_grpc.train.vocab import DraftVocab, build_draft_vocab, coverage_report, token_counts
 
 
 def log(message: str) -> None:
@@ -69,8 +85,11 @@ def pick_mask_token(tokenizer: TextTokenizer, vocab_size: int) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-train", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, metavar="RECIPE.toml",
+                   help="read the options from this TOML file (keys: the options' names with '_' for '-'); options "
+                        "on the command line override it")
     p.add_argument("--target", default=None, help="target .gguf or HF dir (None: the embedded SmolLM2-135M)")
-    p.add_argument("--out", required=True, help="output directory: drafter/, train_state.pt, report.json")
+    p.add_argument("--out", default=None, help="output directory: drafter/, train_state.pt, report.json (required)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     p.add_argument("--precision", default="fast", choices=PRECISIONS,
                    help="the target's precision for the data (fast: the int4 blocks it serves by default on the CPU)")
@@ -120,6 +139,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--time-budget", type=float, default=0.0, metavar="MINUTES",
                    help="train for about this long: fewer steps than --steps if the measured step rate says so "
                         "(the schedule is set from the first steps' rate; 0: --steps)")
+    t.add_argument("--restart-at", type=int, default=0, metavar="STEP",
+                   help="first train a schedule that ends at this step, then resume into --steps' schedule from it "
+                        "(a warm restart, as resuming a finished run with more --steps does; 0: none)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step")
     t.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
     t.add_argument("--lr", type=float, default=6e-4)
@@ -138,6 +160,45 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--export", type=Path, default=None, metavar="DIR",
                    help="also write the final drafter here with bf16 tensors (what the draft service ships)")
     return p
+
+
+def config_argv(p: argparse.ArgumentParser, path: str | os.PathLike[str]) -> list[str]:
+    """A TOML recipe's options as command-line arguments; an unknown key or a value of the wrong kind is refused."""
+    try:
+        with open(path, "rb") as f:
+            recipe = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        p.error(f"--config {path}: {e}")
+    defaults = vars(p.parse_args([]))
+    known = sorted(k for k in defaults if k != "config")
+    argv = []
+    for key, value in recipe.items():
+        if key not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+            p.error(f"--config {path}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else
+                                                                  "; keys are the options' names with '_' for '-'"))
+        option, flag = "--" + key.replace("_", "-"), defaults[key] is False
+        if flag != isinstance(value, bool) or isinstance(value, dict):
+            p.error(f"--config {path}: {key} = {value!r}: " + ("true or false" if flag else "a value, not a table"
+                                                               if isinstance(value, dict) else "not a flag"))
+        if flag:
+            argv += [option] if value else []
+        else:
+            argv += [option, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line over the --config file's options."""
+    first, _ = p.parse_known_args(argv)
+    args = p.parse_args((config_argv(p, first.config) if first.config else []) + argv)
+    if args.out is None:
+        p.error("--out is required (on the command line or as `out` in the --config file)")
+    if args.restart_at and not 0 < args.restart_at < args.steps:
+        p.error(f"--restart-at {args.restart_at} must lie between 0 and --steps {args.steps}")
+    if args.restart_at and args.time_budget:
+        p.error("--restart-at fixes the schedule: it does not go with --time-budget")
+    return args
 
 
 @dataclass
@@ -196,8 +257,33 @@ def calibrate(drafter: Drafter, heldout: list[TargetSequence], settings: TrainSe
             "fit_chains": int(fit.sum()), "report_chains": int(report.sum())}
 
 
+def prompts_digest(prompts: list[Prompt]) -> str:
+    return hashlib.sha256("".join(f"{p.id}\t{p.text}\n" for p in prompts).encode()).hexdigest()
+
+
+def prompt_sources(args: argparse.Namespace, train: list[Prompt], heldout: list[Prompt]) -> dict:
+    """Prompts per source (a training prompt's sampled repeats apart) and what they came from: the ShareGPT file's
+    sha256 and the Python whose stdlib docstrings the stdlib code tasks read."""
+    sharegpt = Path(args.sharegpt) if args.sharegpt else sharegpt_path() if args.train_prompts or \
+        args.heldout_prompts else None
+    return {"train_prompts": dict(Counter("repeat" if REPEAT in p.id else p.source for p in train)),
+            "heldout_prompts": dict(Counter(p.source for p in heldout)),
+            "train_prompts_sha256": prompts_digest(train), "heldout_prompts_sha256": prompts_digest(heldout),
+            "sharegpt": None if sharegpt is None else {"path": str(sharegpt), "sha256": file_sha256(sharegpt)},
+            "stdlib_python": platform.python_version() if args.stdlib_prompts else None}
+
+
+def run_info(device: torch.device, t0: float) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_info().get("cpu_model")
+    return {"commit": git_commit(), "device": str(device), "device_name": name, "torch_version": torch.__version__,
+            "python": platform.python_version(), "machine": machine_info(),
+            "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+            "wall_seconds": round(time.perf_counter() - t0, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(parser(), argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("dspark-train: --device cuda but CUDA is not available", file=sys.stderr)
@@ -224,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = FeatureCache(args.cache_dir, cache_key(digest, layer_ids, gen, args.max_prompt_tokens,
                                                        args.heldout_fraction))
     train_prompts, heldout_prompts = select_prompts(args)
+    sources = prompt_sources(args, train_prompts, heldout_prompts)
     log(f"target {tc.name}: {tc.num_layers} layers, vocab {tc.vocab_size}; features at layers {list(layer_ids)}; "
         f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts; cache {cache.dir if cache else 'off'}")
     model = loaded.generator
@@ -280,14 +367,27 @@ def main(argv: list[str] | None = None) -> int:
                 p.copy_(state["trainable"][name])
     baseline, _ = evaluate(drafter, heldout_seqs, settings, t2d, int(state["step"]) if state else 0)
     log(baseline.line())
-    history = train(drafter, train_seqs, heldout_seqs, t2d, settings, out_dir=out, resume=args.resume, log=log)
-    data = {"train_sequences": len(train_seqs), "train_generated_tokens": gen_tokens,
+    t_train = time.perf_counter()
+    start = int(state["step"]) if state else 0
+    schedules = [n for n in (args.restart_at,) if start < n] + [args.steps]
+    history, resume = [], args.resume
+    for steps in schedules:  # a later schedule resumes from the state the previous one saved at its end
+        history += train(drafter, train_seqs, heldout_seqs, t2d, dataclasses.replace(settings, steps=steps),
+                         out_dir=out, resume=resume, log=log)
+        resume = True
+    data = {**sources, "train_sequences": len(train_seqs), "train_generated_tokens": gen_tokens,
             "train_sampled_sequences": sum(s.mode == "sampled" for s in train_seqs),
-            "heldout_sequences": len(heldout_seqs), "topk_mass": float(topk_mass), "cache": str(cache.dir) if cache
-            else None}
-    report: dict = {"args": vars(args), "layer_ids": list(layer_ids), "draft_vocab": vocab.size, "data": data,
-                    "steps": history[-1].step if history else (int(state["step"]) if state else 0),
-                    "eval": [asdict(baseline)] + [asdict(h) for h in history]}
+            "heldout_sequences": len(heldout_seqs),
+            "heldout_generated_tokens": sum(s.generated.numel() for s in heldout_seqs), "topk_mass": float(topk_mass),
+            "cache": str(cache.dir) if cache else None, "target": str(args.target or default_model_path()),
+            "target_digest": digest}
+    config = None if args.config is None else {"file": args.config, "sha256": file_sha256(args.config)}
+    report: dict = {"args": vars(args), "config": config, "command_line": argv, "layer_ids": list(layer_ids),
+                    "draft_vocab": vocab.size, "data": data,
+                    "steps": history[-1].step if history else start,
+                    "eval": [asdict(baseline)] + [asdict(h) for h in history],
+                    "seconds": {"data_and_setup": round(t_train - t0, 1),
+                                "training": round(time.perf_counter() - t_train, 1)}}
     final = history[-1] if history else baseline
     suggestion = suggest_block_size(final.per_position, convention=drafter.config.slot_convention)
     log(f"per-position acceptance {[round(x, 3) for x in final.per_position]}: positions accepted >= 2 % of the time "
@@ -303,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.export is not None:
         save_drafter(drafter, args.export, layout="speculators", dtype=torch.bfloat16)
         log(f"exported the drafter (bf16) to {args.export}")
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    report["run"] = run_info(device, t0)
+    text = json.dumps(report, indent=2, default=str) + "\n"
+    for directory in [out] + ([args.export] if args.export is not None else []):
+        (Path(directory) / "report.json").write_text(text, encoding="utf-8")
     log(f"wrote {out / DRAFTER_DIR} and {out / 'report.json'} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
