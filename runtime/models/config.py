@@ -12,13 +12,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen35"]
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen35")
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen35", "gemma3"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen35", "gemma3")
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                     "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35"}
-_HF_MODEL_TYPES = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
-_HF_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen35": 32768}
-LAYER_KINDS = ("attention", "linear_attention")
+                     "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5ForConditionalGeneration": "qwen35",
+                     "Gemma3ForCausalLM": "gemma3"}
+_HF_MODEL_TYPES = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "gemma3_text": "gemma3"}
+_HF_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen35": 32768, "gemma3": 131072}
+LAYER_KINDS = ("attention", "linear_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
+    # gemma3 (Gemma 3): "sliding_attention" layers see only the last `sliding_window` positions (a query at p, keys at
+    # p - sliding_window + 1 .. p) and rotate with rope_local_theta, unscaled; scores are scaled by
+    # query_pre_attn_scalar ** -0.5 (0: head_dim's); logits are soft-capped, c tanh(z / c), at final_logit_softcapping
+    # (0: not). The architecture brings the rest: norms after attention and after the MLP, a GELU-tanh MLP, the
+    # embeddings scaled by sqrt(hidden_size).
+    sliding_window: int = 0
+    rope_local_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -85,8 +95,10 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_KINDS for t in self.layer_types):
             raise ValueError(f"layer_types must name one of {LAYER_KINDS} for each of the {self.num_layers} layers, "
                              f"got {list(self.layer_types)}")
-        if "attention" not in self.layer_types:
+        if self.linear_layers and "attention" not in self.layer_types:
             raise ValueError("a hybrid model needs at least one full-attention layer")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError(f"sliding-window layers need a positive sliding_window, got {self.sliding_window}")
         if self.linear_layers:
             dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
                     self.linear_value_head_dim, self.linear_conv_kernel)
@@ -104,6 +116,9 @@ class ModelConfig:
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def fingerprint(self) -> str:
         """sha256 of the architecture's shape: equal for the same model in any quantization or file format."""
@@ -127,6 +142,10 @@ class ModelConfig:
                          attention_output_gate=self.attention_output_gate,
                          linear=[self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
                                  self.linear_value_head_dim, self.linear_conv_kernel])
+        if self.architecture == "gemma3":
+            shape.update(layer_types=list(self.layer_types), sliding_window=self.sliding_window,
+                         rope_local_theta=self.rope_local_theta, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                         final_logit_softcapping=self.final_logit_softcapping)
         canonical = json.dumps(_round_floats(shape), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -211,6 +230,8 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
     hybrid = {}
     if arch == "qwen35":
         hybrid = _qwen35_from_gguf(get, num_layers, rope_dim)
+    elif arch == "gemma3":
+        hybrid = _gemma3_from_gguf(metadata, get, num_layers, hidden // num_heads, head_dim)
     return ModelConfig(
         architecture=arch,
         name=str(metadata.get("general.name", arch)),
@@ -227,8 +248,31 @@ def config_from_gguf(metadata: dict[str, Any], has_output_weight: bool = False) 
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings=not has_output_weight,
         attention_bias=arch == "qwen2",
-        qk_norm=arch in ("qwen3", "qwen35"),
+        qk_norm=arch in ("qwen3", "qwen35", "gemma3"),
         **hybrid,
+    )
+
+
+def _gemma3_from_gguf(metadata: dict[str, Any], get: Any, num_layers: int, hidden_per_head: int,
+                      head_dim: int) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp sets them (src/llama-model.cpp): a full-attention layer every 6th (the others
+    slide), local RoPE base 10000, scores scaled by 1/sqrt(head_dim) except the 27B's (62 layers)
+    1/sqrt(hidden / heads). Keys a newer converter may write take precedence."""
+    if "gemma3.attention.logit_softcapping" in metadata:
+        raise ValueError("attention logit soft-capping is unsupported (transformers' Gemma 3 does not apply it)")
+    pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        sliding = [bool(s) for s in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    scale = metadata.get("gemma3.attention.scale")
+    scalar = float(hidden_per_head if num_layers == 62 else head_dim) if scale is None else 1.0 / _f32(scale) ** 2
+    return dict(
+        layer_types=tuple("sliding_attention" if s else "attention" for s in sliding),
+        sliding_window=int(get("attention.sliding_window")),
+        rope_local_theta=_f32(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=_f32(metadata.get("gemma3.final_logit_softcapping", 0.0)),
     )
 
 
@@ -285,8 +329,8 @@ def _rope_from_hf(params: dict[str, Any], max_positions: int) -> RopeScaling | N
 
 
 def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from an HF config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3.5
-    (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration)."""
+    """ModelConfig from an HF config.json of LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3.5
+    (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration) or Gemma3ForCausalLM."""
     names = config_json.get("architectures") or []
     arch = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
     if arch is None and not names:
@@ -302,6 +346,8 @@ def config_from_hf(config_json: dict[str, Any]) -> ModelConfig:
         )
     if config_json.get("mlp_bias"):
         raise ValueError("mlp_bias=true is unsupported")
+    if arch == "gemma3":
+        return _gemma3_from_hf(config_json, names)
     if config_json.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is unsupported")
     if config_json.get("hidden_act", "silu") != "silu":
@@ -363,4 +409,58 @@ def _qwen35_from_hf(config_json: dict[str, Any], head_dim: int) -> dict[str, Any
         linear_key_head_dim=int(config_json.get("linear_key_head_dim", 128)),
         linear_value_head_dim=int(config_json.get("linear_value_head_dim", 128)),
         linear_conv_kernel=int(config_json.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def _gemma3_from_hf(config_json: dict[str, Any], names: list[str]) -> ModelConfig:
+    """Gemma3TextConfig, its defaults where the file omits a field. RoPE as transformers >= 5 writes it
+    (rope_parameters per layer type) or as older files do (rope_theta, rope_local_base_freq, rope_scaling)."""
+    c = config_json
+    act = c.get("hidden_activation", c.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma 3 hidden_activation {act!r}; only gelu_pytorch_tanh")
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true is unsupported (a causal target only)")
+    if c.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is unsupported (transformers' Gemma 3 does not apply it)")
+    layers = int(c.get("num_hidden_layers", 26))
+    pattern = int(c.get("sliding_window_pattern", 6))
+    types = c.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"unsupported gemma3 layer types {unknown}; supported: full_attention, sliding_attention")
+    params = c.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or c.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope type {local['rope_type']!r} for Gemma 3's sliding layers")
+    hidden = int(c.get("hidden_size", 2304))
+    num_heads = int(c.get("num_attention_heads", 8))
+    head_dim = int(c.get("head_dim") or 256)
+    max_positions = int(c.get("max_position_embeddings", _HF_DEFAULT_MAX_POSITIONS["gemma3"]))
+    bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        architecture="gemma3",
+        name=str(c.get("_name_or_path") or (names[0] if names else "gemma3")),
+        vocab_size=int(c.get("vocab_size", 262208)),
+        hidden_size=hidden,
+        intermediate_size=int(c.get("intermediate_size", 9216)),
+        num_layers=layers,
+        num_heads=num_heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or 4),
+        head_dim=head_dim,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", c.get("rope_theta", 1_000_000.0))),
+        rope_scaling=_rope_from_hf(full, max_positions),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        attention_bias=bias,
+        qk_norm=True,
+        attention_out_bias=bias,
+        layer_types=tuple("attention" if t == "full_attention" else t for t in types),
+        sliding_window=int(c.get("sliding_window") or 4096),
+        rope_local_theta=float(local.get("rope_theta", c.get("rope_local_base_freq", 10_000.0))),
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=float(c.get("final_logit_softcapping") or 0.0),
     )

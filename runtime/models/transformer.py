@@ -1,5 +1,6 @@
-"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, and the qwen35 hybrid (Qwen3.5: Gated DeltaNet
-linear-attention layers between gated full-attention layers; runtime/models/linear_attention.py).
+"""Decoder-only transformer for llama / qwen2 / qwen3 checkpoints, the qwen35 hybrid (Qwen3.5: Gated DeltaNet
+linear-attention layers between gated full-attention layers; runtime/models/linear_attention.py), and gemma3 (Gemma 3:
+sliding-window layers between global ones, each with its own RoPE base; norms after attention and after the MLP too).
 
 One forward runs one sequence's new rows, or several sequences' rows concatenated (a ragged batch): the
 projections, MLPs and lm_head run once over all rows (one read of the weights), attention runs per sequence
@@ -97,6 +98,8 @@ class Attention(nn.Module):
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.output_gate = c.attention_output_gate  # wq gives [q, gate] per head; out = attn * sigmoid(gate)
         self.rotary_dim = c.rotary_dim or c.head_dim
+        # SDPA scales scores by 1/sqrt(head_dim): a query_pre_attn_scalar is folded into q
+        self.q_scale = (c.head_dim / c.query_pre_attn_scalar) ** 0.5 if c.query_pre_attn_scalar else 1.0
         self.wq = Linear(c.hidden_size, 2 * q_dim if self.output_gate else q_dim, bias=c.attention_bias)
         self.wk = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
         self.wv = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
@@ -165,7 +168,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
         k, v = self._rotate_kv(k, v, cos, sin)
-        return self._rope(q.transpose(0, 1), cos, sin), k, v, gate
+        q = self._rope(q.transpose(0, 1), cos, sin)
+        return (q * self.q_scale if self.q_scale != 1.0 else q), k, v, gate
 
     def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """Attention's result [num_heads, T, head_dim] -> [T, hidden] through the gate and wo."""
@@ -181,6 +185,7 @@ class FeedForward(nn.Module):
         self.w1 = Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
         self.w3 = Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
         self.w2 = Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+        self.gelu = config.architecture == "gemma3"  # GELU (tanh approximation) instead of SiLU
         self.gate_up: FusedProjection | None = None
 
     def pack_fused(self) -> None:
@@ -188,20 +193,26 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.w1(x), self.w3(x))
-        return self.w2(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(act * up)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block; its token mixer is attention, or linear attention (layer_types of a hybrid)."""
+    """Pre-norm residual block; its token mixer is attention, or linear attention (layer_types of a hybrid). Gemma 3
+    also norms the mixer's and the MLP's outputs before their residual adds."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_norm = RMSNorm(d, eps)
         linear = config.is_linear(layer)
         self.attention = None if linear else Attention(config)
         self.linear_attention = GatedDeltaNet(config) if linear else None
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, eps)
         self.feed_forward = FeedForward(config)
+        post = config.architecture == "gemma3"
+        self.post_attention_norm = RMSNorm(d, eps) if post else None
+        self.post_ffn_norm = RMSNorm(d, eps) if post else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, kv: KVSource
@@ -216,10 +227,12 @@ class Block(nn.Module):
                    segments: Sequence[Segment]) -> torch.Tensor:
         if self.linear_attention is not None:
             return x + self.linear_attention.forward_segments(self.attention_norm(x), segments)
-        return x + self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
+        out = self.attention.forward_segments(self.attention_norm(x), cos, sin, segments)
+        return x + (self.post_attention_norm(out) if self.post_attention_norm is not None else out)
 
     def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.feed_forward(self.ffn_norm(h))
+        out = self.feed_forward(self.ffn_norm(h))
+        return h + (self.post_ffn_norm(out) if self.post_ffn_norm is not None else out)
 
 
 def causal_mask(num_committed: int, num_new: int, device: torch.device | None = None) -> torch.Tensor:
@@ -227,6 +240,18 @@ def causal_mask(num_committed: int, num_new: int, device: torch.device | None = 
     mask = torch.ones(num_new, num_committed + num_new, dtype=torch.bool, device=device)
     mask[:, num_committed:] = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()
     return mask
+
+
+def window_mask(mask: torch.Tensor | None, start: int, positions: torch.Tensor, window: int) -> torch.Tensor | None:
+    """A sliding-window layer's mask (on the CPU): `mask` [T, start + T] (None: every committed row and the new rows
+    causally) less the keys `window` or more positions behind the query. Committed row j is at position j (prefill
+    and commits keep them so), the T new rows at `positions`. `mask` itself when no query reaches that far."""
+    T = positions.shape[0]
+    if int(positions.max()) < window:
+        return mask
+    keys = torch.cat([torch.arange(start), positions])
+    near = positions[:, None] - keys[None, :] < window
+    return near & (mask if mask is not None else causal_mask(start, T))
 
 
 class Transformer(nn.Module):
@@ -251,11 +276,14 @@ class Transformer(nn.Module):
 
     def init_rope(self) -> None:
         c = self.config
+        device = self.tok_embeddings.weight.device
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = rope_inv_freq(
                 c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors
             )
-        self.register_buffer("inv_freq", inv_freq.to(self.tok_embeddings.weight.device), persistent=False)
+            local = rope_inv_freq(c.head_dim, c.rope_local_theta, None)[0] if c.sliding_window else inv_freq
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("local_inv_freq", local.to(device), persistent=False)  # sliding-window layers'
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -273,6 +301,18 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        if self.config.architecture == "gemma3":  # sqrt(hidden) rounded to the model dtype first, as Gemma does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows h [T, hidden] -> float32 logits [T, vocab] (soft-capped where the config says)."""
+        z = self.lm_head(h).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(z / cap) * cap if cap else z
 
     @property
     def device(self) -> torch.device:
@@ -375,7 +415,9 @@ class Transformer(nn.Module):
 
     def _eager_layers(self, batch: Sequence[SequenceInput]) -> Generator[int, None, list[ForwardOutput]]:
         trees = [self._tree(b) for b in batch] if self.config.linear_layers else None
+        window = self.config.sliding_window
         masks, bounds, keys, begin = [], [], [], 0
+        local_masks, local_keys = [], []  # sliding-window layers' (the same objects where the window cuts nothing)
         for b in batch:
             T = b.tokens.shape[0]
             start = b.cache.begin(T)
@@ -385,25 +427,35 @@ class Transformer(nn.Module):
                 host_mask = torch.cat([torch.ones(T, start, dtype=torch.bool), b.new_rows_mask.cpu()], dim=1)
             mask = host_mask.to(self.device) if host_mask is not None else None
             masks.append(causal_mask(start, T, self.device) if mask is None and T > 1 else mask)
-            if self.batch_invariant and (mask is not None or T == 1):  # verify rows, AR steps: row by row
+            row_by_row = self.batch_invariant and (mask is not None or T == 1)  # verify rows, AR steps
+            if row_by_row:
                 keys.append(plan_rows(row_keys(host_mask) if host_mask is not None else [start + 1], self.device))
             else:  # a prompt chunk: one causal call
                 keys.append(None)
+            host_local = window_mask(host_mask, start, b.positions.cpu(), window) if window else host_mask
+            if host_local is host_mask:
+                local_masks.append(masks[-1])
+                local_keys.append(keys[-1])
+            else:
+                local_masks.append(host_local.to(self.device))
+                local_keys.append(plan_rows(row_keys(host_local), self.device) if row_by_row else None)
             bounds.append((begin, begin + T))
             begin += T
         tokens = torch.cat([b.tokens for b in batch]).to(self.device)
         positions = torch.cat([b.positions for b in batch]).to(self.device)
-        x = self.tok_embeddings(tokens)
+        x = self.embed(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, x.dtype)
+        local_rope = rope_cos_sin(positions, self.local_inv_freq, 1.0, x.dtype) if window else (cos, sin)
         wanted = sorted({i for b in batch for i in b.capture_layers})
         captured: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
-            segments = [Segment(lo, hi, m, b.cache.layer(i), keys=rk)
-                        for (lo, hi), m, b, rk in zip(bounds, masks, batch, keys, strict=True)]
+            sliding = self.config.is_sliding(i)
+            segments = [Segment(lo, hi, m, b.cache.layer(i), keys=rk) for (lo, hi), m, b, rk in zip(
+                bounds, local_masks if sliding else masks, batch, local_keys if sliding else keys, strict=True)]
             if trees is not None:
                 for seg, parents in zip(segments, trees, strict=True):
                     seg.parents = parents
-            x = block.mixer_half(x, cos, sin, segments)
+            x = block.mixer_half(x, *(local_rope if sliding else (cos, sin)), segments)
             yield i
             x = block.mlp_half(x)
             if i in wanted:
@@ -411,7 +463,7 @@ class Transformer(nn.Module):
             yield i
         rows = [torch.arange(lo, hi) if b.logits_rows is None else b.logits_rows.cpu() + lo
                 for (lo, hi), b in zip(bounds, batch, strict=True)]
-        logits = self.lm_head(self.norm(x[torch.cat(rows).to(self.device)])).float()
+        logits = self.logits(self.norm(x[torch.cat(rows).to(self.device)]))
         outputs, offset = [], 0
         for (lo, hi), r, b in zip(bounds, rows, batch, strict=True):
             captures = (torch.stack([captured[i][lo:hi] for i in b.capture_layers], dim=1)
