@@ -25,6 +25,7 @@ Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -262,27 +263,35 @@ def bracketed(before: dict, after: dict) -> dict:
             "same_in_both_runs": before["outputs"] == after["outputs"]}
 
 
-def llama_cpp_baseline(prompts: list[dict], max_new_tokens: int, ignore_eos: bool,
-                       target_model: str | None) -> dict:
-    """llama.cpp's greedy AR on the same GGUF and prompts (dspark_grpc.target_service.llama_cpp_baseline), run as
-    a child process so that the bench itself stays torch-free."""
+def child_baseline(module: str, extra: list[str], prompts: list[dict], max_new_tokens: int, ignore_eos: bool,
+                   target_model: str | None) -> dict:
+    """Another engine's greedy AR on the same model and prompts (`python -m dspark_grpc.target_service.MODULE`),
+    run as a child process so that the bench itself stays torch-free; its JSON on stdout."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.json"
         path.write_text(json.dumps(prompts))
-        cmd = [sys.executable, "-m", "dspark_grpc.target_service.llama_cpp_baseline", "--prompts-json", str(path),
-               "--max-new-tokens", str(max_new_tokens)]
+        cmd = [sys.executable, "-m", f"dspark_grpc.target_service.{module}", "--prompts-json", str(path),
+               "--max-new-tokens", str(max_new_tokens), *extra]
         cmd += (["--ignore-eos"] if ignore_eos else []) + (["--model", target_model] if target_model else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    engine = module.removesuffix("_baseline").replace("_", ".")  # llama.cpp, transformers
     if proc.returncode == -signal.SIGILL:
-        raise RuntimeError("the llama.cpp baseline died on an illegal instruction: its build uses instructions this "
-                           "CPU or its VM does not grant (AMX, say); `make llama-cpp` builds it for this CPU without "
-                           "AMX")
+        raise RuntimeError(f"the {engine} baseline died on an illegal instruction: its build uses instructions this "
+                           "CPU or its VM does not grant (AMX, say); `make llama-cpp` builds llama.cpp for this CPU "
+                           "without AMX")
     if proc.returncode != 0:
-        raise RuntimeError(f"the llama.cpp baseline exited with {proc.returncode} (its message is above)")
+        raise RuntimeError(f"the {engine} baseline exited with {proc.returncode} (its message is above)")
     return json.loads(proc.stdout)
 
 
-BASELINES: dict[str, Callable[[list[dict], int, bool, str | None], dict]] = {"llama-cpp": llama_cpp_baseline}
+BaselineRun = Callable[[list[dict], int, bool, str | None], dict]
+# name -> how it runs: llama.cpp (llama-cpp-python, `make llama-cpp`); HF transformers' generate, eager with its
+# dynamic cache, or with its static cache and a compiled forward
+BASELINES: dict[str, BaselineRun] = {
+    "llama-cpp": functools.partial(child_baseline, "llama_cpp_baseline", []),
+    "transformers": functools.partial(child_baseline, "transformers_baseline", []),
+    "transformers-compiled": functools.partial(child_baseline, "transformers_baseline", ["--compiled"]),
+}
 
 
 def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int]) -> None:

@@ -258,9 +258,12 @@ def parser() -> OneLineParser:
     b.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
                    help="start the services without their start-up cost profile (a quick check; the adaptive "
                         "planner then has no cost tables; by default they profile, or reuse their cached tables)")
-    b.add_argument("--baseline", action="append", default=[], choices=["llama-cpp"],
-                   help="also run another engine's AR on the same prompts after the modes, as a reference line: "
-                        "llama-cpp (needs llama-cpp-python: `make llama-cpp`)")
+    b.add_argument("--baseline", action="append", default=[],
+                   choices=["llama-cpp", "transformers", "transformers-compiled"],
+                   help="also run another engine's AR on the same prompts before and after the modes, as a reference "
+                        "line (repeat for several): llama-cpp (needs llama-cpp-python: `make llama-cpp`); "
+                        "transformers (HF generate, eager, float32: the model our exact precision runs); "
+                        "transformers-compiled (its static cache and a compiled forward: CUDA graphs on a GPU)")
     _speculation_args(b)
     d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
                                      "with speculation, side by side")
@@ -387,6 +390,9 @@ def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[s
         p.error("--plot needs matplotlib (pip install matplotlib; it comes with the dev extra)")
     if "llama-cpp" in args.baseline and importlib.util.find_spec("llama_cpp") is None:
         p.error("--baseline llama-cpp needs llama-cpp-python: run `make llama-cpp` (a ~12 minute source build)")
+    if any(b.startswith("transformers") for b in args.baseline) and importlib.util.find_spec("transformers") is None:
+        p.error("--baseline transformers needs HF transformers and torch: pip install transformers (the dev extra "
+                "has it)")
     try:
         prompts = load_prompts(args.prompts)[: args.limit]
     except (OSError, ValueError) as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,34 @@ from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.target_service.engine import encode_prompt
+
+# llama.cpp's llama_ftype values (include/llama.h) of the files `quantize` writes
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def quantize(source: Path, out: Path, ftype: str, threads: int = 2) -> Path:
+    """`source` requantized by llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize --allow-requantize`
+    does) to `ftype`, written to `out` once (a file already there is kept); its log lines go to /dev/null."""
+    import llama_cpp
+
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = FTYPES[ftype], True, threads
+    partial = out.with_name(f"{out.name}.part")
+    with open(os.devnull, "w") as null:  # the C library prints a line per tensor on fd 2
+        saved = os.dup(2)
+        os.dup2(null.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype} (llama_model_quantize returned {rc})")
+    partial.replace(out)
+    return out
 
 
 def generate(llm: object, prompt_ids: list[int], max_new_tokens: int, eos: frozenset[int]) -> list[int]:

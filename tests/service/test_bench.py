@@ -194,7 +194,7 @@ def test_a_baseline_killed_by_an_illegal_instruction_says_how_to_rebuild(monkeyp
     dies.chmod(0o755)
     monkeypatch.setattr(bench.sys, "executable", str(dies))
     with pytest.raises(RuntimeError, match="illegal instruction.*make llama-cpp"):
-        bench.llama_cpp_baseline([{"prompt": "hi"}], 4, True, None)
+        bench.BASELINES["llama-cpp"]([{"prompt": "hi"}], 4, True, None)
 
 
 def _bench_result(concurrency: list[int], block: int = 4) -> dict:
