@@ -19,9 +19,10 @@ Precision: "exact" dequantizes every tensor to float32. "fast" keeps a GGUF's Q4
 runtime/kernels/gguf_matmul.cpp's kernel builds, Q5_0/Q5_1/Q8_0 and the K-quants Q4_K/Q5_K/Q6_K: quant.block_types())
 matrices as their raw blocks (Checkpoint.blocks; their entry in `weights` is a meta tensor of the right shape) for
 runtime/kernels/quant.py's matmuls, each matrix multiplied in its own type (a mixed file such as a Q4_K_M, with Q4_K,
-Q6_K and fallback Q5_0/Q8_0 matrices, runs as one model), and a tied embedding's blocks for the lm_head (it is also
-dequantized, for the lookup); every other tensor is dequantized here (the model casts it to bf16). The services'
-default ("auto", `auto_precision`) is "fast" for a quantized llama/qwen2/qwen3/gemma3 GGUF.
+Q6_K and fallback Q5_0/Q8_0 matrices, runs as one model); an embedding in those types too (the model dequantizes
+the rows it looks up, never the whole matrix), its blocks the lm_head's where tied (Checkpoint.head_blocks); every
+other tensor is dequantized here (the model casts it to bf16). The services' default ("auto", `auto_precision`) is
+"fast" for a quantized llama/qwen2/qwen3/gemma3 GGUF.
 
 RoPE layout: llama.cpp's converter permutes the Q/K rows of *llama* models so that GGML's interleaved
 (pairwise) RoPE applies; we undo it so that HF's rotate_half RoPE applies, as transformers does. It does
@@ -30,6 +31,7 @@ not permute qwen2/qwen3 (llama.cpp runs those with NEOX RoPE, which is rotate_ha
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import os
@@ -223,7 +225,9 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
         raise ValueError(f"on {device}: GGUF blocks and the compiled step are CPU-only (load the checkpoint with "
                          "precision exact, run with compile off)")
     if precision == "exact":
-        return _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
+        model = _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
+        _release_freed_memory()
+        return model
     if compile != "off" and (reason := uncompiled_architecture(ckpt.config)):
         if progress:
             print(f"[dspark] --compile {compile}: {reason}; AR steps and verifies run eagerly", file=sys.stderr)
@@ -238,7 +242,18 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
         except ValueError as e:
             raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)
+    _release_freed_memory()
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS: glibc keeps what loading freed (the float copies cast to bf16, the
+    blocks' re-layout intermediates: hundreds of MiB for a large vocabulary) in its arenas otherwise. Nothing where
+    the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _on(model: Transformer, device: torch.device) -> Transformer:
@@ -286,11 +301,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
             continue
         layer_map = {"qwen35": _QWEN35_GGUF_LAYER, "gemma3": _GEMMA3_GGUF_LAYER}.get(config.architecture, _GGUF_LAYER)
         ours = _rename(tensor.name, _GGUF_GLOBAL, layer_map, _GGUF_LAYER_RE)
-        if ours == "tok_embeddings.weight":  # looked up as float; as the tied head, multiplied as stored
-            head_blocks = blocks_of(tensor, kept_types) if config.tie_word_embeddings else None
-            b = None
-        else:
-            b = blocks_of(tensor, kept_types)
+        b = blocks_of(tensor, kept_types)
         w = b.data if b is not None else dequantize_tensor(tensor)
         if config.architecture == "llama" and ours.split(".")[-2] in ("wq", "wk"):
             w = _unpermute_rows(w, config.num_heads if ".wq." in ours else config.num_kv_heads)
@@ -298,6 +309,8 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
             blocks[ours] = b.with_rows(w)
             w = torch.empty(b.shape, device="meta")
         weights[ours] = w
+    if config.tie_word_embeddings:  # the embedding's blocks (its rows looked up, dequantized) are the head's too
+        head_blocks = blocks.get("tok_embeddings.weight")
     del reader
     if config.architecture == "qwen35":
         _untile_v_heads(config, weights)
@@ -305,7 +318,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool = False) -> Checkpo
     if config.rope_freq_factors is not None and len(config.rope_freq_factors) != config.head_dim // 2:
         raise ValueError(f"rope_freqs has {len(config.rope_freq_factors)} entries, expected {config.head_dim // 2}")
     _check_names(config, weights)
-    kept = f", kept {len(blocks) + (head_blocks is not None)} matrices as blocks" if blocks else ""
+    kept = f", kept {len(blocks)} matrices as blocks" if blocks else ""
     _log(progress, f"dequantized {len(weights) - len(blocks)} tensors to float32{kept}", t0)
     return Checkpoint(config, weights, gguf_metadata=metadata, blocks=blocks, head_blocks=head_blocks)
 

@@ -202,6 +202,9 @@ def artifact_key(model: Transformer, mode: str = "fast") -> str:
     parts = [torch.__version__, sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability(),
              vector_isa(), repr(model.config), str(model.dtype), mode, matmul]
     parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
+    # the blocks' types: the graph multiplies (and the embedding decodes) each in its own
+    parts += [f"{name}:{m.blocks.qtype.name}" for name, m in model.named_modules()
+              if getattr(m, "blocks", None) is not None]
     if matmul == "BlockWeight":  # cpu_kernels.py's signatures (not their code: the graph calls them by name)
         parts += [str(op.default._schema) for op in (torch.ops.dspark.gguf_matmul, torch.ops.dspark.row_attention)]
     for part in parts:

@@ -1,7 +1,9 @@
 """Weights as a GGUF file gives them, for the fast precision's matmuls: the file's blocks re-laid out once at load for
 runtime/kernels/gguf_matmul.cpp (`BlockWeight`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, each multiplied as
 llama.cpp multiplies it, and a float matrix's bf16 bits), or, where that kernel does not build, Q4_0/Q4_1 blocks
-straight into torch's int4 group-32 CPU layout (`Int4Weight`; every other type is then dequantized).
+straight into torch's int4 group-32 CPU layout (`Int4Weight`; every other type is then dequantized). Read back as
+floats only where needed: `dequantize_blocks` (the gguf package's float32 bits, in torch), and `dequantize_rows` for an
+embedding kept as blocks (only the looked-up rows).
 
 `interleave_rows` keeps the file's bits and about its bytes per weight (16 rows side by side; the K-quants' 6-bit
 scales and mins one byte each): Q4_0 0.625 (file 0.5625: Q4_0's -8d is stored as an m), Q4_1 0.625, Q5_0 0.6875,
@@ -85,35 +87,6 @@ def bf16_blocks(weight: torch.Tensor) -> QuantBlocks:
     assert weight.dim() == 2 and weight.shape[1] % GROUP == 0, weight.shape
     data = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.uint8)
     return QuantBlocks(BF16, data, (int(weight.shape[0]), int(weight.shape[1])))
-
-
-def block_fields(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """d and m (None for Q4_0) float32 [out, in / 32], and the codes uint8 [out, in / 32, 32] in 0..15."""
-    out, inp = blocks.shape
-    b = blocks.data.view(out, inp // GROUP, -1)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
-    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if blocks.qtype == Q.Q4_1 else None
-    qs = b[..., 4:] if blocks.qtype == Q.Q4_1 else b[..., 2:]
-    assert qs.shape[-1] == GROUP // 2, qs.shape
-    return d, m, torch.cat([qs & 0xF, qs >> 4], dim=-1)
-
-
-def int4_codes(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes int32 [out, in] in 0..15, scale and zero float32 [out, in / 32] with w = (q - 8) * scale + zero."""
-    d, m, codes = block_fields(blocks)
-    zero = m + 8 * d if m is not None else torch.zeros_like(d)
-    return codes.reshape(blocks.shape).to(torch.int32), d, zero
-
-
-def dequantize_blocks(blocks: QuantBlocks) -> torch.Tensor:
-    """float32 [out, in], bit for bit as the gguf package dequantizes them: d * q + m (Q4_1), d * (q - 8) (Q4_0),
-    the same float32 operations in the same order."""
-    d, m, codes = block_fields(blocks)
-    if m is not None:
-        w = d[..., None] * codes.float() + m[..., None]
-    else:
-        w = d[..., None] * (codes.to(torch.int8) - 8).float()
-    return w.view(blocks.shape)
 
 
 @dataclass(frozen=True)
@@ -224,6 +197,48 @@ def block_codes(blocks: QuantBlocks) -> Fields:
     high = ((qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(out, -1, 2, 128)
     codes = (low | (high << 4)).reshape(out, inp)
     return Fields(codes, _fp16(b[..., 208:210]), None, b[..., 192:208].contiguous().view(torch.int8))
+
+
+def int4_codes(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 matrix's codes int32 [out, in] in 0..15, scale and zero float32 [out, in / 32] with
+    w = (q - 8) * scale + zero."""
+    assert blocks.qtype in INT4_TYPES, blocks.qtype
+    f = block_codes(blocks)
+    d = f.d.float()
+    zero = f.m.float() + 8 * d if blocks.qtype == Q.Q4_1 else torch.zeros_like(d)
+    return f.codes.to(torch.int32), d, zero
+
+
+_CODE_OFFSETS = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128, Q.Q6_K: 32}  # stored code - offset = the signed q
+
+
+def dequantize_blocks(blocks: QuantBlocks) -> torch.Tensor:
+    """float32 [out, in] from `block_codes`' fields, bit for bit as the gguf package dequantizes them, the same float32
+    operations in the same order: d q (+ m for Q4_1/Q5_1) per block of 32, q signed for Q4_0, Q5_0 and Q8_0;
+    (d sc) q - (dmin mn) per sub-block of 32 for Q4_K/Q5_K (+ (m mn) with m = -dmin: the same bits), (d sc) q per
+    sub-block of 16 for Q6_K (q signed). Every product is exact in float32 (fp16 times small integers), so only the add
+    rounds: a fused multiply-add would give the same bits."""
+    qtype, (out, inp) = blocks.qtype, blocks.shape
+    f = block_codes(blocks)
+    q = (f.codes.to(torch.int16) - _CODE_OFFSETS.get(qtype, 0)).float()
+    if qtype in K_TYPES:
+        sub = 16 if qtype == Q.Q6_K else 32
+        w = (f.d.float()[..., None] * f.scales.float()).view(out, inp // sub, 1) * q.view(out, inp // sub, sub)
+        if f.mins is not None:
+            w = w + (f.m.float()[..., None] * f.mins.float()).view(out, inp // sub, 1)
+    else:
+        w = f.d.float()[..., None] * q.view(out, inp // GROUP, GROUP)
+        if qtype in (Q.Q4_1, Q.Q5_1):
+            w = w + f.m.float()[..., None]
+    return w.view(out, inp)
+
+
+def dequantize_rows(blocks: QuantBlocks, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [...] of the matrix as float32 [..., in] (an embedding lookup): only those rows' blocks are
+    gathered and dequantized (`dequantize_blocks`), never the whole matrix."""
+    rows = blocks.data[index.reshape(-1)]
+    w = dequantize_blocks(QuantBlocks(blocks.qtype, rows, (rows.shape[0], blocks.shape[1])))
+    return w.view(*index.shape, blocks.shape[1])
 
 
 def _interleave_codes(codes: torch.Tensor, bits: int, groups: int, blocks32: int) -> torch.Tensor:

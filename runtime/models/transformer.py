@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 from dspark_grpc.runtime.kernels import cpu_kernels
-from dspark_grpc.runtime.kernels.quant import GROUP, BlockWeight, QuantBlocks, bf16_blocks
+from dspark_grpc.runtime.kernels.quant import GROUP, BlockWeight, QuantBlocks, bf16_blocks, dequantize_rows
 from dspark_grpc.runtime.models.batch_invariant import RowPlan, attention_by_row, plan_rows, row_keys
 from dspark_grpc.runtime.models.config import ModelConfig
 from dspark_grpc.runtime.models.kv_cache import CacheFullError, HybridCache, KVCache
@@ -85,9 +85,19 @@ class ForwardOutput:
 
 
 class Embedding(nn.Embedding):
+    """nn.Embedding; given a GGUF's `blocks` (the fast precision; its weight is then a meta tensor in the model dtype)
+    it dequantizes only the rows it looks up, as the whole matrix would have been (runtime/kernels/quant.py)."""
+
+    blocks: QuantBlocks | None = None
+
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # on meta, normal_ would load torch's Python reference ops: seconds at start-up
             super().reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return super().forward(tokens)
+        return dequantize_rows(self.blocks, tokens).to(self.weight.dtype)
 
 
 class Attention(nn.Module):
@@ -276,7 +286,7 @@ class Transformer(nn.Module):
 
     def init_rope(self) -> None:
         c = self.config
-        device = self.tok_embeddings.weight.device
+        device = self.device
         with torch.device("cpu"):
             inv_freq, self.attention_scaling = rope_inv_freq(
                 c.rotary_dim or c.head_dim, c.rope_theta, c.rope_scaling, c.rope_freq_factors
@@ -316,7 +326,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self.norm.weight.device  # (an embedding kept as blocks has a meta weight)
 
     def new_cache(self, max_length: int | None = None, initial_capacity: int = 256) -> KVCache:
         if self.compiled is not None:

@@ -175,7 +175,7 @@ def wide_tiny_models(tiny_dirs: dict[str, Path], root: Path, names: tuple[str, .
 def fast_block_model(directory: str | Path, qtype) -> Transformer:
     """A tiny random HF checkpoint with every projection quantized, loaded as the fast path. `qtype`: one type for all,
     or (name, shape) -> type for a mixed file (a tied embedding then gets the head's blocks too, as llama.cpp keeps
-    token_embd as blocks: the lm_head multiplies them)."""
+    token_embd as blocks and the loader keeps them: the lookup dequantizes its rows, the lm_head multiplies them)."""
     ckpt = load_checkpoint(directory, progress=False)
     type_of = qtype if callable(qtype) else (lambda name, shape: qtype)
     for name, w in list(ckpt.weights.items()):
@@ -185,4 +185,6 @@ def fast_block_model(directory: str | Path, qtype) -> Transformer:
     if callable(qtype) and ckpt.config.tie_word_embeddings:
         embedding = ckpt.weights["tok_embeddings.weight"]
         ckpt.head_blocks = quantize_blocks(embedding, type_of("output.weight", tuple(embedding.shape)))
+        ckpt.blocks["tok_embeddings.weight"] = ckpt.head_blocks
+        ckpt.weights["tok_embeddings.weight"] = torch.empty(embedding.shape, device="meta")
     return inference_model(ckpt, "fast")

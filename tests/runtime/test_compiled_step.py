@@ -11,9 +11,10 @@ from unittest import mock
 import gguf
 import pytest
 import torch
+from block_quants import random_blocks
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels.compiled_step import CompiledStep, artifact_key, load_step, save_step, vector_isa
-from dspark_grpc.runtime.kernels.quant import int4_available
+from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, dequantize_blocks, dequantize_rows, int4_available
 from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.models.slot_cache import SlotCache
 from dspark_grpc.runtime.models.transformer import Transformer
@@ -31,14 +32,16 @@ def one_layer_fast_model(directory) -> Transformer:
     """The tiny random checkpoint cut to its first layer, every projection quantized by the gguf package, loaded as
     the fast path (compiling costs per layer; one layer has every op the graph has). V is Q8_0 and the rest Q4_0, as
     llama.cpp's mixed files keep some matrices at more bits: q/k/v stay three projections (the gate/up pair is
-    fused), and the graph runs both kinds."""
+    fused), and the graph runs both kinds. A tied embedding is Q8_0 blocks, as SmolLM2's and Gemma 3's files keep
+    it: the graph looks its rows up from the blocks (the head multiplies them)."""
     ckpt = load_checkpoint(directory, progress=False)
     ckpt.config = dataclasses.replace(ckpt.config, num_layers=1)
     ckpt.weights = {k: v for k, v in ckpt.weights.items() if not k.startswith("layers.") or k.startswith("layers.0.")}
     for name, w in list(ckpt.weights.items()):
-        if w.ndim == 2 and name != "tok_embeddings.weight":
-            ckpt.blocks[name] = quantized(w, Q.Q8_0 if ".wv." in name else Q.Q4_0)
+        if w.ndim == 2 and (name != "tok_embeddings.weight" or ckpt.config.tie_word_embeddings):
+            ckpt.blocks[name] = quantized(w, Q.Q8_0 if name.startswith("tok_") or ".wv." in name else Q.Q4_0)
             ckpt.weights[name] = torch.empty(w.shape, device="meta")
+    ckpt.head_blocks = ckpt.blocks.get("tok_embeddings.weight")
     return inference_model(ckpt, "fast")
 
 
@@ -51,6 +54,20 @@ def models(tiny_hf_models, tmp_path_factory):
     compiled.compiled = CompiledStep(compiled, tmp_path_factory.mktemp("compiled"))
     compiled.compiled.warm_up(progress=False)
     return eager, compiled
+
+
+def test_compiled_lookup_of_block_rows_is_the_eager_lookup():
+    """The embedding lookup on blocks (runtime/kernels/quant.py's gather and decode, traced into the step graph) of
+    every type the fast precision keeps, compiled as the step is (dynamic row count): eager's rows bit for bit."""
+    tables = [random_blocks((40, 256), qtype, seed=int(qtype)) for qtype in BLOCK_TYPES]
+
+    def lookup(tokens: torch.Tensor) -> list[torch.Tensor]:
+        return [dequantize_rows(t, tokens).bfloat16() for t in tables]
+
+    compiled = torch.compile(lookup, fullgraph=True, dynamic=True)
+    for tokens in (torch.tensor([3, 39, 0, 3, 17]), torch.tensor([21, 21]), torch.tensor([5, 6, 0])):
+        for qtype, got, want in zip(BLOCK_TYPES, compiled(tokens), lookup(tokens), strict=True):
+            assert torch.equal(got, want), qtype.name
 
 
 def test_compiled_rows_equal_ar_steps(models):
@@ -141,6 +158,9 @@ def test_a_saved_step_is_used_only_by_the_model_it_was_traced_for(models, tiny_h
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen3"])) == artifact_key(compiled)
     assert artifact_key(one_layer_fast_model(tiny_hf_models["qwen2"])) != artifact_key(compiled)  # q/k bias, no norms
     assert artifact_key(compiled, "max") != artifact_key(compiled, "fast")  # another wrapper: another artifact
+    other = one_layer_fast_model(tiny_hf_models["qwen3"])  # the embedding's blocks of another type: another decoder
+    other.tok_embeddings.blocks = quantized(dequantize_blocks(other.tok_embeddings.blocks), Q.Q4_0)
+    assert artifact_key(other) != artifact_key(compiled)
     # a graph compiled while inductor found no vector instruction set (scalar kernels) is another artifact
     vector_isa.cache_clear()
     with mock.patch("torch._inductor.cpu_vec_isa.pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa):

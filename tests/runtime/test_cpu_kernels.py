@@ -25,6 +25,8 @@ from dspark_grpc.runtime.kernels.quant import (
     QuantBlocks,
     bf16_blocks,
     block_codes,
+    dequantize_blocks,
+    dequantize_rows,
     quantized_weight,
 )
 from dspark_grpc.runtime.models.linear import FusedProjection, Linear
@@ -229,6 +231,25 @@ def test_block_fields_decode_like_the_gguf_package(qtype):
         w = d.repeat_interleave(32, -1) * (q - {Q.Q5_0: 16, Q.Q8_0: 128}.get(qtype, 0)) + m
     reference = torch.from_numpy(gguf.quants.dequantize(blocks.data.numpy(), qtype)).double()
     assert torch.equal(w.float().double(), reference)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_blocks_and_rows_dequantize_like_the_gguf_package(qtype):
+    """runtime/kernels/quant.py's dequantize (the fast precision's embedding lookup: only the looked-up rows' blocks,
+    decoded in torch) against the gguf package's, on random bytes and on extreme blocks: the same float32 bits, and
+    in bf16 the rows of the whole matrix dequantized then cast (the embedding the fast precision kept before)."""
+    shape = (64, 512)
+    for blocks in (random_blocks(shape, qtype, seed=100 + int(qtype)), extreme_blocks(shape, qtype),
+                   extreme_blocks(shape, qtype, high=False)):
+        whole = gguf.quants.dequantize(blocks.data.numpy(), qtype).reshape(shape)
+        assert np.array_equal(dequantize_blocks(blocks).numpy().view(np.uint32), whole.view(np.uint32))
+        index = torch.tensor([[7, 0, 63, 7], [31, 2, 2, 40]])  # repeats, the first and last rows
+        rows = gguf.quants.dequantize(blocks.data[index.flatten()].numpy(), qtype).reshape(2, 4, shape[1])
+        got = dequantize_rows(blocks, index)
+        assert got.dtype == torch.float32 and got.shape == (2, 4, shape[1])
+        assert np.array_equal(got.numpy().view(np.uint32), rows.view(np.uint32))
+        assert torch.equal(got.bfloat16(), torch.from_numpy(whole).bfloat16()[index])
+        assert dequantize_rows(blocks, torch.tensor(5)).shape == (shape[1],)  # one id: one row
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)

@@ -137,12 +137,16 @@ def test_exact_precision_matches_transformers(exact, tokenizer):
     assert len(set(generated)) > 2
 
 
-def test_fast_precision_speculation_equals_ar(gemma3_path, tokenizer):
+def test_fast_precision_speculation_equals_ar(gemma3_path, exact, tokenizer):
     """Its Q4_K/Q6_K/Q5_0/Q8_0 matrices and Q8_0 tied head on the block kernels: after a prompt past the sliding
-    window, a chain verify's rows and a tree's AR-path rows equal the 1-row AR steps bitwise."""
+    window, a chain verify's rows and a tree's AR-path rows equal the 1-row AR steps bitwise. The embedding stays
+    the head's Q8_0 blocks (no float copy of its 262144 rows): a lookup dequantizes its rows, exact's in bf16."""
     model = inference_model(load_checkpoint(gemma3_path, progress=False, precision="fast"), "fast")
     assert model.batch_invariant and model.quantized_lm_head is not None
+    assert model.tok_embeddings.weight.is_meta and model.tok_embeddings.blocks is model.head_blocks
     prompt = story_prompt(tokenizer, 520)
+    ids = torch.tensor([*prompt[:64], model.config.vocab_size - 1])
+    assert torch.equal(model.tok_embeddings(ids), exact.weights["tok_embeddings.weight"][ids].bfloat16())
     cache = model.new_cache()
     logits, _ = prefill(model, cache, prompt)
     ar, rows = [int(logits.argmax())], []
@@ -168,7 +172,8 @@ def test_a_gguf_without_a_chat_template_renders_gemmas_turns(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello! "}, {"role": "user", "content": "Name a colour."}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                    "<start_of_turn>model\nHello!<end_of_turn>\n"
                     "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n")
     ids = tokenizer.encode(text)
     assert ids[:3] == [2, 105, 2364] and ids.count(105) == 4 and ids.count(106) == 3  # <bos>, <start_of_turn>, user

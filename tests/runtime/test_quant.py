@@ -62,15 +62,16 @@ def smollm2_checkpoints(smollm2_path):
 
 def test_fast_checkpoint_keeps_the_q4_matrices_as_blocks(smollm2_checkpoints):
     exact, fast = smollm2_checkpoints
-    assert len(fast.blocks) == 210 and set(fast.blocks) < set(exact.weights)  # every matrix of the 30 layers
-    assert "tok_embeddings.weight" not in fast.blocks  # the Q8_0 embedding is looked up dequantized...
-    if cpu_kernels.available():  # ...and multiplied as stored by the tied head
-        assert fast.head_blocks.qtype == Q.Q8_0 and fast.head_blocks.shape == tuple(exact.weights[
-            "tok_embeddings.weight"].shape)
-    else:
-        assert fast.head_blocks is None
+    layers = {name: b for name, b in fast.blocks.items() if name != "tok_embeddings.weight"}
+    assert len(layers) == 210 and set(fast.blocks) < set(exact.weights)  # every matrix of the 30 layers
+    if cpu_kernels.available():  # the Q8_0 embedding as blocks too: its rows looked up, the tied head multiplies it
+        embedding = fast.blocks["tok_embeddings.weight"]
+        assert fast.head_blocks is embedding and embedding.qtype == Q.Q8_0
+        assert embedding.shape == tuple(exact.weights["tok_embeddings.weight"].shape)
+    else:  # Q8_0 is not kept without the kernels: dequantized
+        assert fast.head_blocks is None and "tok_embeddings.weight" not in fast.blocks
     for name, blocks in fast.blocks.items():
-        assert fast.weights[name].is_meta and blocks.qtype == Q.Q4_1
+        assert fast.weights[name].is_meta and blocks.qtype == (Q.Q4_1 if name in layers else Q.Q8_0)
         # the blocks (llama's Q/K rows un-permuted like the float32 weights) decode to exact's float32 weights
         assert torch.equal(dequantize_blocks(blocks), exact.weights[name]), name
     for name in exact.weights.keys() - fast.blocks.keys():
@@ -90,6 +91,27 @@ def test_fast_model_is_keyed_apart_in_cost_tables(smollm2_checkpoints):
     assert (fast_model.quantized_lm_head is not None) == cpu_kernels.available()
     fast_key, exact_key = target_key(fast_model), target_key(exact_model)
     assert (fast_key.matmul, fast_key.dtype) == (kind, "bfloat16") and fast_key != exact_key
+
+
+def test_fast_model_looks_up_the_embeddings_rows_from_its_blocks(smollm2_checkpoints):
+    """No float copy of the Q8_0 embedding is made or kept: the lookup dequantizes the rows it needs from the blocks
+    the tied head is built from, and they equal the rows of the whole matrix dequantized (exact's float32) in bf16."""
+    exact, fast = smollm2_checkpoints
+    if not cpu_kernels.available():
+        pytest.skip(f"Q8_0 is kept as blocks with the kernels only: {cpu_kernels.unavailable_reason()}")
+    from dspark_grpc.runtime.kernels.compiled_step import model_tensors
+
+    model = inference_model(fast, "fast")
+    embedding = model.tok_embeddings
+    assert embedding.weight.is_meta and embedding.blocks is model.head_blocks and model.quantized_lm_head is not None
+    assert model.dtype == torch.bfloat16 and model.device == torch.device("cpu")
+    vocab, hidden = exact.weights["tok_embeddings.weight"].shape
+    assert not [t.shape for t in model_tensors(model)
+                if t.is_floating_point() and not t.is_meta and t.numel() >= vocab * hidden]
+    tokens = torch.tensor([0, 1, 17, 17, 4000, vocab - 1])
+    expected = exact.weights["tok_embeddings.weight"][tokens].bfloat16()
+    assert torch.equal(model.embed(tokens), expected)
+    assert torch.equal(model.embed(tokens.view(2, 3)), expected.view(2, 3, hidden))
 
 
 def test_precision_is_checked(smollm2_path):

@@ -213,8 +213,8 @@ def test_gguf_config_and_fingerprint_match_hf():
 
 
 def test_gguf_config_errors():
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma3'"):
-        config_from_gguf(_gguf_meta("gemma3"))
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
+        config_from_gguf(_gguf_meta("phi3"))
     meta = _gguf_meta()
     del meta["llama.block_count"]
     with pytest.raises(ValueError, match="llama.block_count"):
