@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from dspark_grpc.runtime.drafting.acceptance import accept_chain, accept_tree
 from dspark_grpc.runtime.drafting.sampling import SamplingParams, make_generator
-from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
+from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint, release_freed_memory
 from dspark_grpc.runtime.formats.detokenize import IncrementalDecoder
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.runtime.kernels.device import cpu_only_note
@@ -201,11 +201,14 @@ class TargetEngine:
             tokenizer = TextTokenizer.from_hf_dir(ckpt.hf_dir)
         model = inference_model(ckpt, precision, dtype, compile=compile if on_cpu else "off", progress=progress,
                                 compile_cache=compile_cache, device=device)
+        name = model_display_name(path, ckpt.config.name)
+        del ckpt  # the file's blocks the model re-laid out, and its float tensors: their pages go back to the OS
+        release_freed_memory()
         if progress:
             size = Path(path).stat().st_size if Path(path).is_file() else None
             print(f"[dspark-target] model ready in {time.perf_counter() - t0:.1f} s; resident memory "
                   f"{resident_mib():.0f} MiB" + (f" (the file: {size / 2**20:.0f} MiB)" if size else ""), flush=True)
-        return cls(model, tokenizer, model_display_name(path, ckpt.config.name), limits or EngineLimits())
+        return cls(model, tokenizer, name, limits or EngineLimits())
 
     # -- sessions -------------------------------------------------------------------------------
 

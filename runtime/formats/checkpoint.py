@@ -226,7 +226,7 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
                          "precision exact, run with compile off)")
     if precision == "exact":
         model = _on(Transformer.from_checkpoint(ckpt, dtype=dtype), device).pack()
-        _release_freed_memory()
+        release_freed_memory()
         return model
     if compile != "off" and (reason := uncompiled_architecture(ckpt.config)):
         if progress:
@@ -242,14 +242,14 @@ def inference_model(ckpt: Checkpoint, precision: str = "exact", dtype: torch.dty
         except ValueError as e:
             raise ValueError(f"--compile {compile}: {e}") from None
         model.compiled.warm_up(progress)
-    _release_freed_memory()
+    release_freed_memory()
     return model
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the heap's free pages back to the OS: glibc keeps what loading freed (the float copies cast to bf16, the
-    blocks' re-layout intermediates: hundreds of MiB for a large vocabulary) in its arenas otherwise. Nothing where
-    the C library is not glibc."""
+    blocks' re-layout intermediates: hundreds of MiB for a large vocabulary; the file's blocks once the checkpoint
+    is dropped) in its arenas otherwise. Nothing where the C library is not glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -167,10 +167,6 @@ class CompiledChain:
         if path is not None and (graph := load_step(path)) is not None:
             self.source = "loaded"
             return graph
-        import torch.fx.experimental._config as fx_config
-
-        fx_config.use_duck_shape = False  # n and m are unrelated sizes (as in CompiledStep)
-        fx_config.backed_size_oblivious = True  # m = 1 too: no size is specialized
         for t in model_tensors(self.drafter):
             torch._dynamo.mark_static(t)
         for t in (*args[1], *args[2]):  # only the context lengths vary

@@ -254,7 +254,13 @@ def compile_ahead(graph: Callable, args: tuple, mode: str, path: Path | None, op
     dynamo = torch.compile(graph, fullgraph=True, dynamic=True,
                            options={"size_asserts": False, "cpp_wrapper": mode == "max", "cpp.dynamic_threads": True,
                                     **(options or {})})
-    with dynamo_config.patch(specialize_float=True):  # the model's float constants (eps, scales) are fixed
+    import torch.fx.experimental._config as fx_config
+
+    # specialize_float: the model's float constants (eps, scales) are fixed; no duck shapes: R, C, slots and capacity
+    # are unrelated sizes (no equality guards); size-oblivious: R = 1 too (one graph for AR steps and verifies). Set
+    # for this trace only: left set, they changed how every later torch.compile in the process traced.
+    with dynamo_config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False,
+                                                                     backed_size_oblivious=True):
         compiled = dynamo.aot_compile((args, {}))
     if path is not None:
         save_step(compiled, path)
@@ -271,10 +277,6 @@ class CompiledStep:
         reason = can_compile(model)
         if reason is not None:
             raise ValueError(reason)
-        import torch.fx.experimental._config as fx_config
-
-        fx_config.use_duck_shape = False  # R, C, slots and capacity are unrelated sizes: no equality guards
-        fx_config.backed_size_oblivious = True  # R = 1 too: one graph for AR steps and verifies
         assert mode in COMPILE_MODES[1:], mode
         self.model, self.cache_dir, self.mode = model, cache_dir, mode
         self.store = SlotStore(model.config, model.dtype, model.device)

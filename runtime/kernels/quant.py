@@ -59,6 +59,10 @@ class QuantBlocks:
         """The same matrix with its rows reordered (`data` = self.data with rows permuted)."""
         return QuantBlocks(self.qtype, data, self.shape)
 
+    def released(self) -> QuantBlocks:
+        """Its type and shape, its bytes a meta tensor: what a module keeps once a `BlockWeight` holds the matrix."""
+        return QuantBlocks(self.qtype, torch.empty(self.data.shape, dtype=torch.uint8, device="meta"), self.shape)
+
 
 def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = INT4_TYPES) -> QuantBlocks | None:
     """A 2-D tensor's blocks (in torch order: [out, bytes per row]) if its type is one of `types`, else None."""
@@ -218,8 +222,12 @@ def dequantize_blocks(blocks: QuantBlocks) -> torch.Tensor:
     (d sc) q - (dmin mn) per sub-block of 32 for Q4_K/Q5_K (+ (m mn) with m = -dmin: the same bits), (d sc) q per
     sub-block of 16 for Q6_K (q signed). Every product is exact in float32 (fp16 times small integers), so only the add
     rounds: a fused multiply-add would give the same bits."""
-    qtype, (out, inp) = blocks.qtype, blocks.shape
-    f = block_codes(blocks)
+    return dequantize_fields(block_codes(blocks), blocks.qtype, blocks.shape)
+
+
+def dequantize_fields(f: Fields, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> torch.Tensor:
+    """`dequantize_blocks` from the decoded fields (`block_codes`, or `BlockWeight.rows`' de-interleaved ones)."""
+    out, inp = shape
     q = (f.codes.to(torch.int16) - _CODE_OFFSETS.get(qtype, 0)).float()
     if qtype in K_TYPES:
         sub = 16 if qtype == Q.Q6_K else 32
@@ -300,6 +308,24 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | N
     return codes.contiguous(), by_group(d), None if m is None else by_group(m)
 
 
+def _deinterleave_codes(codes: torch.Tensor, bits: int, row: torch.Tensor) -> torch.Tensor:
+    """`_interleave_codes` undone for one row of each group: codes [n, in / 32, bytes] of n groups, `row` [n] the row
+    of each to read -> uint8 [n, in]."""
+    rows, (n, blocks32) = cpu_kernels.ROWS, codes.shape[:2]
+    pick = torch.arange(n)
+    nib = codes[..., :256].reshape(n, blocks32, 4, rows, 4)  # [n, b, chunk, row, k]
+    nib = nib.permute(0, 3, 1, 2, 4)[pick, row]  # [n, b, chunk, k]
+    q = torch.stack([nib & 0xF, nib >> 4], dim=-2).reshape(n, blocks32 * GROUP)  # element 8 chunk + 4 half + k
+    if bits == 4:
+        return q
+    width = bits - 4
+    per_plane = 8 // width
+    planes = codes[..., 256:].reshape(n, blocks32, -1, rows, 4).permute(0, 3, 1, 2, 4)[pick, row]  # [n, b, p, k]
+    shifts = (torch.arange(per_plane, dtype=torch.uint8) * width).view(1, 1, 1, per_plane, 1)
+    high = (planes[..., None, :] >> shifts) & ((1 << width) - 1)  # [n, b, p, j', k]: element 4 (p per_plane + j') + k
+    return q | (high.reshape(n, blocks32 * GROUP) << 4)
+
+
 @dataclass(frozen=True)
 class BlockWeight:
     """[out, in] weight from the file's blocks (BLOCK_TYPES), interleaved for runtime/kernels/gguf_matmul.cpp's kernel
@@ -330,6 +356,56 @@ class BlockWeight:
         if bias is not None:
             bias = torch.cat([bias.float(), bias.new_zeros(pad, dtype=torch.float32)])
         return cls(codes, d, m, qtype, bias, out)
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * (QK_K if self.qtype in K_TYPES else GROUP)
+
+    def part(self, start: int, size: int) -> BlockWeight:
+        """Rows [start, start + size) as a BlockWeight sharing this one's memory (a fused projection's member); start
+        a multiple of 16, and size too unless the part runs to the end."""
+        rows = cpu_kernels.ROWS
+        assert start % rows == 0 and (size % rows == 0 or start + size == self.out_features), (start, size)
+        g0, g1 = start // rows, -(-(start + size) // rows)
+        return BlockWeight(self.codes[g0:g1], None if self.d is None else self.d[g0:g1],
+                           None if self.m is None else self.m[g0:g1], self.qtype,
+                           None if self.bias is None else self.bias[g0 * rows:g1 * rows], size)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` [...] of the weight as float32 [..., in], bit for bit `dequantize_rows` of the file's blocks
+        (an embedding looked up in its tied head's blocks: no second copy of the table). Only the looked-up rows'
+        16-row groups are read back from the interleaved layout."""
+        rows, flat = cpu_kernels.ROWS, index.reshape(-1)
+        n, inp = flat.shape[0], self.in_features
+        g, r = flat // rows, flat % rows
+        codes = self.codes[g]
+        if self.qtype == BF16:  # [n, block, pair, row, 4 bytes] -> [n, row, in * 2 bytes]
+            w = codes.view(n, -1, GROUP // 2, rows, 4).permute(0, 3, 1, 2, 4).reshape(n, rows, -1)
+            w = w[torch.arange(n), r].contiguous().view(torch.bfloat16).float()
+            return w.view(*index.shape, inp)
+
+        def by_row(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, 16] -> the looked-up row's [n, blocks]
+            return t[g].transpose(1, 2)[torch.arange(n), r]
+
+        d, m = by_row(self.d), None if self.m is None else by_row(self.m)
+        if self.qtype == Q.Q8_0:  # [n, block, 8, row, 4] int8
+            q = codes.view(torch.int8).view(n, -1, 8, rows, 4).permute(0, 3, 1, 2, 4).reshape(n, rows, inp)
+            f = Fields((q[torch.arange(n), r].to(torch.int16) + 128).to(torch.uint8), d, None)
+        elif self.qtype in K_TYPES:
+            nb, scale_bytes = inp // QK_K, 16 if self.qtype == Q.Q6_K else 8
+            per32 = (codes.shape[-1] - rows * scale_bytes * (2 if self.m is not None else 1)) // 8
+
+            def unpaired(t: torch.Tensor) -> torch.Tensor:  # [n, nb, pairs * 16 * 2] -> the row's [n, nb, bytes]
+                t = t.reshape(n, nb, -1, rows, 2).permute(0, 3, 1, 2, 4).reshape(n, rows, nb, -1)
+                return t[torch.arange(n), r]
+
+            scales = unpaired(codes[..., 8 * per32:8 * per32 + rows * scale_bytes])
+            mins = None if self.m is None else unpaired(codes[..., 8 * per32 + rows * scale_bytes:])
+            q = _deinterleave_codes(codes[..., :8 * per32].reshape(n, nb * 8, per32), CODE_BITS[self.qtype], r)
+            f = Fields(q, d, m, scales.view(torch.int8) if self.qtype == Q.Q6_K else scales, mins)
+        else:
+            f = Fields(_deinterleave_codes(codes, CODE_BITS[self.qtype], r), d, m)
+        return dequantize_fields(f, self.qtype, (n, inp)).view(*index.shape, inp)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = cpu_kernels.gguf_matmul(x, self.codes, self.d, self.m, int(self.qtype), self.bias, out_dtype or x.dtype)

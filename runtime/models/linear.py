@@ -89,8 +89,11 @@ class FusedProjection:
         if any(b is not None for b in blocks):
             quantized = None if any(b is None for b in blocks) else quantized_weight(
                 blocks, layers[0].weight.dtype, _fused_bias(layers))
-            return None if quantized is None else cls(None, None, tuple(layer.out_features for layer in layers),
-                                                      quantized)
+            if quantized is None:
+                return None
+            if isinstance(quantized, BlockWeight):
+                _share_parts(layers, quantized)
+            return cls(None, None, tuple(layer.out_features for layer in layers), quantized)
         weight = torch.cat([layer.weight.detach() for layer in layers])
         packed = pack_weight(weight)
         if packed is None or any(layer.weight.requires_grad for layer in layers):
@@ -101,6 +104,17 @@ class FusedProjection:
         y = self.quantized(x) if self.quantized is not None else packed_matmul(x, self.packed, self.bias,
                                                                                 sum(self.sizes))
         return y.split(self.sizes, dim=-1)
+
+
+def _share_parts(layers: Sequence[Linear], fused: BlockWeight) -> None:
+    """Each member whose rows start a 16-row group runs (alone, as `project_kv` runs wk and wv) on its part of the
+    fused weight, and lets its own copy of the file's blocks go."""
+    start = 0
+    for layer in layers:
+        if start % cpu_kernels.ROWS == 0 and (layer.out_features % cpu_kernels.ROWS == 0 or layer is layers[-1]):
+            layer.quantized = fused.part(start, layer.out_features)
+            layer.blocks = layer.blocks.released()
+        start += layer.out_features
 
 
 def _fused_bias(layers: Sequence[nn.Linear]) -> torch.Tensor | None:
@@ -115,7 +129,8 @@ class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `pack_linears` has made one.
 
     A Linear given a GGUF's `blocks` (runtime/kernels/quant.py; its weight is then a meta tensor) runs on them
-    (`quantized_weight`), set up on first use (most run only inside a fused projection). One `row_by_row` multiplies
+    (`quantized_weight`: its part of a fused projection's weight, or its own, made by `pack_linears` or on first
+    use); once a `BlockWeight` holds the matrix, `blocks` keeps only its type and shape. One `row_by_row` multiplies
     one row per call (`bf16_linears`)."""
 
     packed: torch.Tensor | None = None
@@ -192,7 +207,11 @@ def pack_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.blocks is not None:
-            count += 1  # packed on first use
+            if module.quantized is None and cpu_kernels.available():  # (a fused member has its part: parents first)
+                module.quantized = quantized_weight([module.blocks], module.weight.dtype, module.bias)
+                if isinstance(module.quantized, BlockWeight):  # it holds the matrix now
+                    module.blocks = module.blocks.released()
+            count += 1
         elif isinstance(module, Linear) and not module.row_by_row:
             module.packed = None if module.weight.requires_grad else pack_weight(module.weight)
             count += module.packed is not None

@@ -86,15 +86,19 @@ class ForwardOutput:
 
 class Embedding(nn.Embedding):
     """nn.Embedding; given a GGUF's `blocks` (the fast precision; its weight is then a meta tensor in the model dtype)
-    it dequantizes only the rows it looks up, as the whole matrix would have been (runtime/kernels/quant.py)."""
+    it dequantizes only the rows it looks up, as the whole matrix would have been (runtime/kernels/quant.py): from the
+    file's blocks, or once packed from the tied head's `table` (the same bits, the blocks then let go)."""
 
     blocks: QuantBlocks | None = None
+    table: BlockWeight | None = None
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # on meta, normal_ would load torch's Python reference ops: seconds at start-up
             super().reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.rows(tokens).to(self.weight.dtype)
         if self.blocks is None:
             return super().forward(tokens)
         return dequantize_rows(self.blocks, tokens).to(self.weight.dtype)
@@ -355,8 +359,11 @@ class Transformer(nn.Module):
                     self.config.hidden_size % GROUP == 0 and cpu_kernels.available() and self.device.type == "cpu"):
                 self.head_blocks = bf16_blocks(self.tok_embeddings.weight)
         pack_linears(self)
-        if self.output is None and self.head_blocks is not None:
+        if self.output is None and self.head_blocks is not None and self.quantized_lm_head is None:
             self.quantized_lm_head = BlockWeight.of([self.head_blocks])
+            if self.tok_embeddings.blocks is self.head_blocks:  # one copy of the table: the head's layout
+                self.tok_embeddings.table = self.quantized_lm_head
+                self.head_blocks = self.tok_embeddings.blocks = self.head_blocks.released()
         elif self.output is None and not self.batch_invariant:
             self.packed_lm_head = pack_weight(self.tok_embeddings.weight)
         return self

@@ -252,6 +252,23 @@ def test_blocks_and_rows_dequantize_like_the_gguf_package(qtype):
         assert dequantize_rows(blocks, torch.tensor(5)).shape == (shape[1],)  # one id: one row
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_rows_read_back_from_the_kernels_layout_are_the_files(qtype):
+    """A tied embedding looks its rows up in the head's interleaved weight (`BlockWeight.rows`, no second copy of the
+    table): the gguf package's float32 bits of those rows, on random and extreme blocks, with a row count that is
+    not a multiple of 16 (the layout's last group padded)."""
+    for shape in ((64, 512), (40, 256)):
+        for blocks in (random_blocks(shape, qtype, seed=200 + int(qtype)), extreme_blocks(shape, qtype)):
+            index = torch.tensor([[7, 0, shape[0] - 1, 7], [31, 2, 2, 17]])
+            want = gguf.quants.dequantize(blocks.data[index.flatten()].numpy(), qtype).reshape(2, 4, shape[1])
+            got = BlockWeight.of([blocks]).rows(index)
+            assert got.dtype == torch.float32 and got.shape == (2, 4, shape[1])
+            assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)), (qtype, shape)
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    index = torch.tensor([23, 0, 16])
+    assert torch.equal(BlockWeight.of([bf16_blocks(weight)]).rows(index), weight[index].float())
+
+
 @pytest.mark.parametrize("qtype", K_TYPES)
 def test_k_quant_test_blocks_follow_the_format(qtype):
     """tests/runtime/block_quants.py's K-quant writer, read back by the gguf package: near the weights it quantized."""
@@ -287,6 +304,31 @@ def test_fused_parts_and_bf16_rows():
     assert got.shape == (3, 2, 64) and got.dtype == torch.bfloat16
     one_by_one = torch.cat([BlockWeight.of([p])(x) for p in parts], dim=-1)
     assert torch.equal(got, one_by_one)
+    for start, p in zip((0, 32, 48), parts, strict=True):  # each part a view of the fused weight
+        part = fused.part(start, p.shape[0])
+        assert part.codes.data_ptr() == fused.codes[start // 16].data_ptr()
+        assert torch.equal(part(x), BlockWeight.of([p])(x))
+
+
+@needs_kernels
+def test_fused_members_run_alone_on_their_part_and_let_their_blocks_go():
+    """q/k/v fused: each member Linear keeps only its blocks' type and shape, and alone (as project_kv runs wk and wv)
+    gives the same bits as on its own blocks; a member whose rows do not start a 16-row group keeps its blocks."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    for sizes, shares in (((32, 16, 16), (True, True, True)), ((24, 8, 16), (False, False, True))):
+        layers, alone = [], []
+        for n in sizes:
+            layer = Linear(64, n, bias=True)
+            layer.requires_grad_(False)
+            layer.blocks = quantized(torch.randn(n, 64, generator=g) * 0.05, Q.Q8_0)
+            alone.append(BlockWeight.of([layer.blocks], bias=layer.bias)(x))
+            layers.append(layer)
+        fused = FusedProjection.of(layers)
+        assert torch.equal(torch.cat(fused(x), dim=-1), torch.cat(alone, dim=-1))
+        for layer, want, shared in zip(layers, alone, shares, strict=True):
+            assert (layer.quantized is not None) == shared == layer.blocks.data.is_meta, sizes
+            assert torch.equal(layer(x), want)
 
 
 @needs_kernels

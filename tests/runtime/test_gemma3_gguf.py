@@ -139,11 +139,13 @@ def test_exact_precision_matches_transformers(exact, tokenizer):
 
 def test_fast_precision_speculation_equals_ar(gemma3_path, exact, tokenizer):
     """Its Q4_K/Q6_K/Q5_0/Q8_0 matrices and Q8_0 tied head on the block kernels: after a prompt past the sliding
-    window, a chain verify's rows and a tree's AR-path rows equal the 1-row AR steps bitwise. The embedding stays
-    the head's Q8_0 blocks (no float copy of its 262144 rows): a lookup dequantizes its rows, exact's in bf16."""
+    window, a chain verify's rows and a tree's AR-path rows equal the 1-row AR steps bitwise. The embedding is the
+    head's Q8_0 weight (no float copy of its 262144 rows, no second copy of its blocks): a lookup dequantizes its
+    rows, exact's in bf16."""
     model = inference_model(load_checkpoint(gemma3_path, progress=False, precision="fast"), "fast")
     assert model.batch_invariant and model.quantized_lm_head is not None
-    assert model.tok_embeddings.weight.is_meta and model.tok_embeddings.blocks is model.head_blocks
+    embedding = model.tok_embeddings
+    assert embedding.weight.is_meta and embedding.table is model.quantized_lm_head and embedding.blocks.data.is_meta
     prompt = story_prompt(tokenizer, 520)
     ids = torch.tensor([*prompt[:64], model.config.vocab_size - 1])
     assert torch.equal(model.tok_embeddings(ids), exact.weights["tok_embeddings.weight"][ids].bfloat16())
