@@ -46,7 +46,7 @@ from dspark_grpc.runtime.models.batch_invariant import BUCKET
 from dspark_grpc.runtime.models.config import ModelConfig
 from dspark_grpc.runtime.models.rope import rope_cos_sin, rotate_half
 from dspark_grpc.runtime.models.slot_cache import SlotCache, SlotStore
-from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput
+from dspark_grpc.runtime.models.transformer import ForwardOutput, SequenceInput, window_mask
 from dspark_grpc.runtime.progress import still_working
 
 if TYPE_CHECKING:
@@ -58,41 +58,53 @@ WARMUP_ROWS = (2, 1)  # the graph is traced on the first (R = 1 would specialize
 
 def step_graph(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                write_rows: torch.Tensor, mask: torch.Tensor, logit_rows: torch.Tensor, rope: torch.Tensor,
-               ks: list[torch.Tensor], vs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+               ks: list[torch.Tensor], vs: list[torch.Tensor], local_mask: torch.Tensor | None = None,
+               local_rope: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens/positions/slots/write_rows [R]; mask [R, C] bool over the first C rows of each row's slot (its own
     new row included: rows are written before attention); logit_rows [N]; rope [2, max_positions, head_dim] (cos,
-    sin: looked up, since a compiled cos differs in its last bits with the row's place in a vector). Returns
+    sin: looked up, since a compiled cos differs in its last bits with the row's place in a vector). A model with
+    sliding-window layers (Gemma 3) also takes their mask and RoPE table (`local_mask`, `local_rope`). Returns
     the normed rows [N, hidden] for the head, and every layer's output [R, num_layers, hidden]. The head runs
     after the graph: its oneDNN-packed weight (Transformer.lm_head) is faster than any matmul the graph makes."""
     c = model.config
     R, C = mask.shape
     H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
-    x = model.tok_embeddings(tokens)
-    cos, sin = rope[0, positions], rope[1, positions]
+    assert (local_mask is None) == (local_rope is None) == (not c.sliding_window), c.sliding_window
+    x = model.embed(tokens)
+    ropes = {False: (rope[0, positions], rope[1, positions])}
+    masks = {False: mask}
+    if local_mask is not None:
+        ropes[True], masks[True] = (local_rope[0, positions], local_rope[1, positions]), local_mask
     own_kernels = step_matmul(model) == "BlockWeight"  # runtime/kernels/cpu_kernels.py built
-    bias = None if own_kernels else torch.where(mask, 0.0, float("-inf"))[:, None, None, :]  # [R, 1, 1, C]
+    biases = None if own_kernels else {  # [R, 1, 1, C]
+        k: torch.where(m, 0.0, float("-inf"))[:, None, None, :] for k, m in masks.items()}
     for t in (*ks, *vs):  # one slot count and one capacity for all: two sizes for the step's caller to pass, not 120
         torch._check(t.shape[0] == ks[0].shape[0])
         torch._check(t.shape[2] == ks[0].shape[2])
     hidden = []
     for i, layer in enumerate(model.layers):
-        a = layer.attention
+        a, sliding = layer.attention, c.is_sliding(i)
+        cos, sin = ropes[sliding]
         h = layer.attention_norm(x)  # q/k/v of different block types (a mixed GGUF) stay three projections
         q, k, v = a.qkv(h) if a.qkv is not None else (a.wq(h), a.wk(h), a.wv(h))
         q, k, v = q.view(R, H, D), k.view(R, KV, D), v.view(R, KV, D)
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = (t * cos[:, None] + rotate_half(t) * sin[:, None] for t in (q, k))
+        if a.q_scale != 1.0:  # Gemma's query_pre_attn_scalar, as the eager model scales q
+            q = q * a.q_scale
         if own_kernels:  # writes the rows' K/V too
-            o = torch.ops.dspark.row_attention(q, k, v, ks[i], vs[i], slots, write_rows, mask)
+            o = torch.ops.dspark.row_attention(q, k, v, ks[i], vs[i], slots, write_rows, masks[sliding])
         else:
             ks[i][slots, :, write_rows] = k
             vs[i][slots, :, write_rows] = v
             keys, values = ks[i][slots, :, :C], vs[i][slots, :, :C]  # [R, KV, C, D]
             scores = torch.matmul(q.view(R, KV, H // KV, D).float(), keys.float().transpose(-1, -2)) * D**-0.5
-            o = torch.matmul(torch.softmax(scores + bias, dim=-1), values.float()).to(x.dtype)
-        h = x + a.wo(o.reshape(R, H * D))
-        x = h + layer.feed_forward(layer.ffn_norm(h))
+            o = torch.matmul(torch.softmax(scores + biases[sliding], dim=-1), values.float()).to(x.dtype)
+        out = a.wo(o.reshape(R, H * D))
+        h = x + (layer.post_attention_norm(out) if layer.post_attention_norm is not None else out)
+        out = layer.feed_forward(layer.ffn_norm(h))
+        x = h + (layer.post_ffn_norm(out) if layer.post_ffn_norm is not None else out)
         hidden.append(x)
     return model.norm(x[logit_rows]), torch.stack(hidden, dim=1)
 
@@ -124,8 +136,6 @@ def uncompiled_architecture(c: ModelConfig) -> str | None:
         return "hybrid (linear-attention) models are not compiled"
     if c.attention_output_gate or (c.rotary_dim or c.head_dim) != c.head_dim:
         return "gated or partial-rotary attention is not compiled"
-    if c.architecture == "gemma3":
-        return "Gemma 3 (sliding-window layers, post-norms, scaled embeddings) is not compiled"
     return None
 
 
@@ -282,6 +292,8 @@ class CompiledStep:
         self.store = SlotStore(model.config, model.dtype, model.device)
         positions = torch.arange(model.config.max_position_embeddings, device=model.device)
         self.rope = torch.stack(rope_cos_sin(positions, model.inv_freq, model.attention_scaling, model.dtype))
+        self.local_rope = torch.stack(rope_cos_sin(positions, model.local_inv_freq, 1.0, model.dtype)) \
+            if model.config.sliding_window else None  # sliding-window layers' (Transformer._eager_layers)
         self.graph: Callable | None = None  # the compiled step_graph (loaded or compiled by the first call)
         self.source = ""  # "loaded" from cache_dir or "compiled" here
 
@@ -335,7 +347,8 @@ class CompiledStep:
             self.source = "loaded"
             return step
         assert args[1].shape[0] >= 2, "traced on one row, the graph would be specialized to one row"
-        for t in (*model_tensors(self.model), self.rope):  # weights, scales: fixed sizes, not graph arguments
+        ropes = (self.rope,) if self.local_rope is None else (self.rope, self.local_rope)
+        for t in (*model_tensors(self.model), *ropes):  # weights, scales: fixed sizes, not graph arguments
             torch._dynamo.mark_static(t)
         for t in (*self.store.k, *self.store.v):  # only slots and capacity vary: 2 sizes passed per call, not 122
             torch._dynamo.mark_static(t, 1)
@@ -348,7 +361,8 @@ class CompiledStep:
     def __call__(self, model: Transformer, batch: Sequence[SequenceInput]) -> list[ForwardOutput]:
         if self.graph is None and sum(b.tokens.shape[0] for b in batch) < 2 and not self.saved:
             self.warm_up(progress=False)  # traced on its 2-row step first
-        masks, slots, write_rows, logit_rows, begin = [], [], [], [], 0
+        masks, local_masks, slots, write_rows, logit_rows, begin = [], [], [], [], [], 0
+        window = model.config.sliding_window
         starts = [b.cache.begin(b.tokens.shape[0]) for b in batch]
         C = -(-max(s + b.tokens.shape[0] for s, b in zip(starts, batch, strict=True)) // BUCKET) * BUCKET
         self.store.reserve(C)
@@ -362,6 +376,10 @@ class CompiledStep:
                 mask[:, start : start + T] = (b.new_rows_mask if b.new_rows_mask is not None
                                               else torch.ones(T, T, dtype=torch.bool).tril())
             masks.append(mask)
+            if window:  # a new tensor, never `mask` itself: the graph was traced on two distinct inputs
+                local = torch.zeros(T, C, dtype=torch.bool)
+                local[:, : start + T] = window_mask(mask[:, : start + T], start, b.positions.cpu(), window)
+                local_masks.append(local)
             slots.append(torch.full((T,), b.cache.slot))
             write_rows.append(torch.arange(start, start + T))
             rows = torch.arange(T) if b.logits_rows is None else b.logits_rows.cpu()
@@ -370,10 +388,12 @@ class CompiledStep:
         args = (model, torch.cat([b.tokens for b in batch]), torch.cat([b.positions for b in batch]),
                 torch.cat(slots), torch.cat(write_rows), torch.cat(masks), torch.cat(logit_rows), self.rope,
                 self.store.k, self.store.v)
+        if window:
+            args += (torch.cat(local_masks), self.local_rope)
         if self.graph is None:
             self.graph = self._prepare(args)
         last, hidden = self.graph(*args)
-        logits = model.lm_head(last).float()
+        logits = model.logits(last)
         outputs, row, offset = [], 0, 0
         for b, rows in zip(batch, logit_rows, strict=True):
             T = b.tokens.shape[0]

@@ -6,6 +6,7 @@ equal to its AR steps. The sliding window (8) is far shorter than the sequences,
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -163,8 +164,46 @@ def test_fast_precision_verify_rows_equal_ar_steps(pair):
     """bf16 activations, batch-invariant attention: with the window sliding, a chain verify's rows and a tree's
     AR-path rows equal the 1-row AR steps bitwise."""
     _, _, _, directory = pair
-    model = inference_model(load_checkpoint(directory, progress=False), "fast")
-    assert "Gemma 3" in can_compile(model)
+    assert_verify_rows_equal_ar_steps(inference_model(load_checkpoint(directory, progress=False), "fast"))
+
+
+@pytest.fixture(scope="module")
+def eager_and_compiled(tmp_path_factory):
+    """The soft-capped variant with query_pre_attn_scalar != head_dim, in the fast precision: eager, and compiled
+    (one compile: the step graph's sliding-window masks and local RoPE, post norms, scaled embedding, q scale)."""
+    directory = make_gemma3(tmp_path_factory.mktemp("gemma3_compiled"), "softcap", seed=6)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 24}))
+    eager = inference_model(load_checkpoint(directory, progress=False), "fast")
+    compiled = inference_model(load_checkpoint(directory, progress=False), "fast", compile="fast")
+    assert can_compile(compiled) is None and compiled.compiled is not None
+    return eager, compiled
+
+
+def test_compiled_verify_rows_equal_its_ar_steps(eager_and_compiled):
+    assert_verify_rows_equal_ar_steps(eager_and_compiled[1])
+
+
+def test_compiled_step_computes_the_eager_fast_model(eager_and_compiled):
+    """Past the window, a chain verify through the graph against the eager model: bf16 rounding differences only
+    (the bound and the near-tie rule of tests/runtime/test_compiled_step.py), the soft cap applied to both."""
+    eager, compiled = eager_and_compiled
+    prompt = tokens(30, seed=9)
+    chain = ar(eager, prompt, 6)
+    got = []
+    for model in (eager, compiled):
+        cache = model.new_cache()
+        prefill(model, cache, prompt)
+        got.append(verify_tree(model, cache, chain, list(range(-1, 5)))[0])
+    assert got[1].abs().max() <= eager.config.final_logit_softcapping
+    torch.testing.assert_close(got[1], got[0], atol=0.1 * got[0].abs().max().item(), rtol=0)
+    eager_best = got[0].max(-1).values
+    picked = got[0].gather(-1, got[1].argmax(-1, keepdim=True))[:, 0]
+    assert torch.all(picked >= eager_best - 0.1 * got[0].abs().max()), (picked, eager_best)
+    assert (got[1].argmax(-1) == got[0].argmax(-1)).sum() >= 4
+
+
+def assert_verify_rows_equal_ar_steps(model: Transformer) -> None:
     prompt = tokens(30, seed=8)
     steps, rows = [], []
     cache = model.new_cache()
