@@ -22,7 +22,6 @@ Needs llama-cpp-python (`make llama-cpp`). Writes one bench-shaped JSON (command
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.runtime.formats.checkpoint import default_model_path, inference_model, load_checkpoint
 from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
+from dspark_grpc.runtime.kernels.compiled_step import model_tensors
 from dspark_grpc.runtime.models.decode import prefill
 from dspark_grpc.target_service.engine import encode_prompt
 from dspark_grpc.target_service.llama_cpp_baseline import generate, quantize
@@ -71,26 +71,10 @@ def resident_mib(pid: int) -> float:
 
 
 def weight_mib(model: torch.nn.Module) -> float:
-    """The bytes of every tensor the model holds (parameters, buffers, block weights and their fused parts, each
-    storage once; meta tensors hold none), in MiB: what the weights cost in memory, against the file's size."""
-    storages: dict[int, int] = {}
-
-    def visit(value: object, depth: int = 0) -> None:
-        if isinstance(value, torch.Tensor):
-            if not value.is_meta:
-                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 3:
-            for field in dataclasses.fields(value):
-                visit(getattr(value, field.name), depth + 1)
-        elif isinstance(value, list | tuple) and depth < 3:
-            for item in value:
-                visit(item, depth + 1)
-
-    for module in model.modules():
-        for value in vars(module).values():
-            visit(value)
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            visit(tensor)
+    """The bytes of every tensor the model holds (`model_tensors`: parameters, buffers, block weights and their fused
+    parts, each storage once; meta tensors hold none), in MiB: what the weights cost in memory."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in model_tensors(model) if not t.is_meta}
     return sum(storages.values()) / 2**20
 
 

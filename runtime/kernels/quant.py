@@ -308,19 +308,22 @@ def interleave_rows(blocks: QuantBlocks) -> tuple[torch.Tensor, torch.Tensor | N
     return codes.contiguous(), by_group(d), None if m is None else by_group(m)
 
 
+def _row_of(t: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """From n groups laid out [n, a, b, 16 rows, c], row `row[i]` of group i: [n, a, b, c]."""
+    return t.permute(0, 3, 1, 2, 4)[torch.arange(t.shape[0]), row]
+
+
 def _deinterleave_codes(codes: torch.Tensor, bits: int, row: torch.Tensor) -> torch.Tensor:
     """`_interleave_codes` undone for one row of each group: codes [n, in / 32, bytes] of n groups, `row` [n] the row
     of each to read -> uint8 [n, in]."""
     rows, (n, blocks32) = cpu_kernels.ROWS, codes.shape[:2]
-    pick = torch.arange(n)
-    nib = codes[..., :256].reshape(n, blocks32, 4, rows, 4)  # [n, b, chunk, row, k]
-    nib = nib.permute(0, 3, 1, 2, 4)[pick, row]  # [n, b, chunk, k]
+    nib = _row_of(codes[..., :256].reshape(n, blocks32, 4, rows, 4), row)  # [n, b, chunk, k]
     q = torch.stack([nib & 0xF, nib >> 4], dim=-2).reshape(n, blocks32 * GROUP)  # element 8 chunk + 4 half + k
     if bits == 4:
         return q
     width = bits - 4
     per_plane = 8 // width
-    planes = codes[..., 256:].reshape(n, blocks32, -1, rows, 4).permute(0, 3, 1, 2, 4)[pick, row]  # [n, b, p, k]
+    planes = _row_of(codes[..., 256:].reshape(n, blocks32, -1, rows, 4), row)  # [n, b, p, k]
     shifts = (torch.arange(per_plane, dtype=torch.uint8) * width).view(1, 1, 1, per_plane, 1)
     high = (planes[..., None, :] >> shifts) & ((1 << width) - 1)  # [n, b, p, j', k]: element 4 (p per_plane + j') + k
     return q | (high.reshape(n, blocks32 * GROUP) << 4)
@@ -379,29 +382,24 @@ class BlockWeight:
         n, inp = flat.shape[0], self.in_features
         g, r = flat // rows, flat % rows
         codes = self.codes[g]
-        if self.qtype == BF16:  # [n, block, pair, row, 4 bytes] -> [n, row, in * 2 bytes]
-            w = codes.view(n, -1, GROUP // 2, rows, 4).permute(0, 3, 1, 2, 4).reshape(n, rows, -1)
-            w = w[torch.arange(n), r].contiguous().view(torch.bfloat16).float()
+        if self.qtype == BF16:  # [n, block, pair, row, 4 bytes]
+            w = _row_of(codes.view(n, -1, GROUP // 2, rows, 4), r).reshape(n, -1).view(torch.bfloat16).float()
             return w.view(*index.shape, inp)
-
-        def by_row(t: torch.Tensor) -> torch.Tensor:  # [n, blocks, 16] -> the looked-up row's [n, blocks]
-            return t[g].transpose(1, 2)[torch.arange(n), r]
-
-        d, m = by_row(self.d), None if self.m is None else by_row(self.m)
+        d = self.d[g].transpose(1, 2)[torch.arange(n), r]  # [n, blocks, 16] -> the looked-up row's [n, blocks]
+        m = None if self.m is None else self.m[g].transpose(1, 2)[torch.arange(n), r]
         if self.qtype == Q.Q8_0:  # [n, block, 8, row, 4] int8
-            q = codes.view(torch.int8).view(n, -1, 8, rows, 4).permute(0, 3, 1, 2, 4).reshape(n, rows, inp)
-            f = Fields((q[torch.arange(n), r].to(torch.int16) + 128).to(torch.uint8), d, None)
-        elif self.qtype in K_TYPES:
-            nb, scale_bytes = inp // QK_K, 16 if self.qtype == Q.Q6_K else 8
-            per32 = (codes.shape[-1] - rows * scale_bytes * (2 if self.m is not None else 1)) // 8
+            q = _row_of(codes.view(torch.int8).view(n, -1, 8, rows, 4), r).reshape(n, inp)
+            f = Fields((q.to(torch.int16) + 128).to(torch.uint8), d, None)
+        elif self.qtype in K_TYPES:  # per super-block: 8 blocks of codes, then scales (and mins) in [pair, row, 2]
+            nb, bits, scale_bytes = inp // QK_K, CODE_BITS[self.qtype], rows * (16 if self.qtype == Q.Q6_K else 8)
+            at = 8 * 64 * bits  # a block of 32's codes: 64 bytes per bit for its 16 rows
 
             def unpaired(t: torch.Tensor) -> torch.Tensor:  # [n, nb, pairs * 16 * 2] -> the row's [n, nb, bytes]
-                t = t.reshape(n, nb, -1, rows, 2).permute(0, 3, 1, 2, 4).reshape(n, rows, nb, -1)
-                return t[torch.arange(n), r]
+                return _row_of(t.reshape(n, nb, -1, rows, 2), r).reshape(n, nb, -1)
 
-            scales = unpaired(codes[..., 8 * per32:8 * per32 + rows * scale_bytes])
-            mins = None if self.m is None else unpaired(codes[..., 8 * per32 + rows * scale_bytes:])
-            q = _deinterleave_codes(codes[..., :8 * per32].reshape(n, nb * 8, per32), CODE_BITS[self.qtype], r)
+            scales = unpaired(codes[..., at:at + scale_bytes])
+            mins = None if self.m is None else unpaired(codes[..., at + scale_bytes:])
+            q = _deinterleave_codes(codes[..., :at].reshape(n, nb * 8, -1), bits, r)
             f = Fields(q, d, m, scales.view(torch.int8) if self.qtype == Q.Q6_K else scales, mins)
         else:
             f = Fields(_deinterleave_codes(codes, CODE_BITS[self.qtype], r), d, m)
