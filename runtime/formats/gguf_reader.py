@@ -211,7 +211,9 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise ValueError(f"{path}: empty file, not a GGUF file")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # copy-on-write: tensors read from the map are writable views of the page cache (no copy of a block matrix,
+        # pages the OS can drop and reread), and a write, were one made, stays in this process
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
         return _parse(buf, path)
     except ValueError as e:
