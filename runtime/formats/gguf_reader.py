@@ -35,8 +35,9 @@ _ELEMENT_DTYPES = {Q.F32: "f4", Q.F16: "f2", Q.F64: "f8", Q.I8: "i1", Q.I16: "i2
 
 @dataclass(frozen=True, eq=False)
 class GGUFTensor:
-    """One tensor as gguf.GGUFReader gives it: shape uint64 in GGUF's ne order (innermost first); data a read-only
-    view of the file, shaped reversed(ne) with the element dtype for F16/F32/F64/I*, else uint8 [..., row bytes]."""
+    """One tensor as gguf.GGUFReader gives it: shape uint64 in GGUF's ne order (innermost first); data a view of
+    the file's copy-on-write map, shaped reversed(ne) with the element dtype for F16/F32/F64/I*, else uint8
+    [..., row bytes]."""
 
     name: str
     tensor_type: gguf.GGMLQuantizationType

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gguf
+import numpy as np
 import torch
 from dspark_grpc.runtime.kernels import cpu_kernels
 
@@ -95,7 +96,15 @@ def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = I
         return None
     inp, out = (int(n) for n in tensor.shape)  # GGUF's ne order
     data = torch.from_numpy(tensor.data).view(torch.uint8).reshape(out, -1)  # a view of the file's map
-    return QuantBlocks(qtype, data, (out, inp), mapped=True)
+    return QuantBlocks(qtype, data, (out, inp), mapped=_in_file_map(tensor.data))
+
+
+def _in_file_map(array: np.ndarray) -> bool:
+    """Whether `array`'s memory is a memory map's (gguf_reader's frombuffer views), not memory of its own."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
