@@ -35,9 +35,8 @@ _ELEMENT_DTYPES = {Q.F32: "f4", Q.F16: "f2", Q.F64: "f8", Q.I8: "i1", Q.I16: "i2
 
 @dataclass(frozen=True, eq=False)
 class GGUFTensor:
-    """One tensor as gguf.GGUFReader gives it: shape uint64 in GGUF's ne order (innermost first); data a view of
-    the file's copy-on-write map, shaped reversed(ne) with the element dtype for F16/F32/F64/I*, else uint8
-    [..., row bytes]."""
+    """One tensor as gguf.GGUFReader gives it: shape uint64 in GGUF's ne order (innermost first); data a read-only
+    view of the file, shaped reversed(ne) with the element dtype for F16/F32/F64/I*, else uint8 [..., row bytes]."""
 
     name: str
     tensor_type: gguf.GGMLQuantizationType
@@ -212,9 +211,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise ValueError(f"{path}: empty file, not a GGUF file")
-        # copy-on-write: tensors read from the map are writable views of the page cache (no copy of a block matrix,
-        # pages the OS can drop and reread), and a write, were one made, stays in this process
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _parse(buf, path)
     except ValueError as e:

@@ -19,14 +19,11 @@ to bf16: that is the one inexact step (with float32 scales the weights are repro
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gguf
-import numpy as np
 import torch
 from dspark_grpc.runtime.kernels import cpu_kernels
 
@@ -51,7 +48,6 @@ class QuantBlocks:
     qtype: gguf.GGMLQuantizationType
     data: torch.Tensor
     shape: tuple[int, int]
-    mapped: bool = False  # data is a view of a file's copy-on-write memory map (gguf_reader.open_gguf)
 
     def __post_init__(self) -> None:
         block, size = gguf.GGML_QUANT_SIZES[self.qtype]
@@ -60,33 +56,12 @@ class QuantBlocks:
         assert self.data.dtype == torch.uint8 and self.data.shape == (out, inp // block * size), self.data.shape
 
     def with_rows(self, data: torch.Tensor) -> QuantBlocks:
-        """The same matrix with its rows reordered (`data` = self.data with rows permuted, or self.data itself)."""
-        same = data.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr()
-        return QuantBlocks(self.qtype, data, self.shape, mapped=self.mapped and same)
+        """The same matrix with its rows reordered (`data` = self.data with rows permuted)."""
+        return QuantBlocks(self.qtype, data, self.shape)
 
     def released(self) -> QuantBlocks:
-        """Its type and shape, its bytes a meta tensor: what a module keeps once a `BlockWeight` holds the matrix.
-        Bytes read from a file's map leave this process's resident memory now (a later read, if any, rereads the
-        file), not when the whole map closes: loading then peaks near the re-laid-out model plus one matrix."""
-        if self.mapped:
-            _drop_file_pages(self.data)
+        """Its type and shape, its bytes a meta tensor: what a module keeps once a `BlockWeight` holds the matrix."""
         return QuantBlocks(self.qtype, torch.empty(self.data.shape, dtype=torch.uint8, device="meta"), self.shape)
-
-
-def _drop_file_pages(data: torch.Tensor) -> None:
-    """madvise(MADV_DONTNEED) on the whole pages of `data`, a view of a private file mapping this process never wrote:
-    the pages leave its resident set and a later access reads them from the file again. (Never on anonymous memory,
-    whose pages this would zero.) Nothing where libc has no madvise."""
-    assert data.is_contiguous()
-    start = -(-data.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (data.data_ptr() + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        try:
-            madvise = ctypes.CDLL(None).madvise
-        except (OSError, AttributeError):
-            return
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        madvise(start, end - start, 4)  # MADV_DONTNEED
 
 
 def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = INT4_TYPES) -> QuantBlocks | None:
@@ -95,16 +70,8 @@ def blocks_of(tensor: GGUFTensor, types: Sequence[gguf.GGMLQuantizationType] = I
     if qtype not in types or len(tensor.shape) != 2:
         return None
     inp, out = (int(n) for n in tensor.shape)  # GGUF's ne order
-    data = torch.from_numpy(tensor.data).view(torch.uint8).reshape(out, -1)  # a view of the file's map
-    return QuantBlocks(qtype, data, (out, inp), mapped=_in_file_map(tensor.data))
-
-
-def _in_file_map(array: np.ndarray) -> bool:
-    """Whether `array`'s memory is a memory map's (gguf_reader's frombuffer views), not memory of its own."""
-    base = array
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
+    data = torch.from_numpy(tensor.data.copy()).view(torch.uint8).reshape(out, -1)
+    return QuantBlocks(qtype, data, (out, inp))
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:

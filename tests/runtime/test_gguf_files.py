@@ -3,9 +3,7 @@ llama.cpp's converter does."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import mmap
 import struct
 import time
 from pathlib import Path
@@ -18,7 +16,6 @@ from block_quants import quantize_blocks
 from dspark_grpc.runtime.formats.checkpoint import load_checkpoint
 from dspark_grpc.runtime.formats.gguf_reader import GGUFFile, dequantize_tensor, open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.safetensors_reader import read_hf_config, read_safetensors
-from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, blocks_of
 from dspark_grpc.runtime.models.transformer import Transformer
 from runtime_helpers import forward_all, random_tokens
 from tolerance import logits_tolerance
@@ -86,53 +83,7 @@ def assert_reads_like_gguf(ours: GGUFFile, ref: gguf.GGUFReader) -> None:
         assert type(a.tensor_type) is type(b.tensor_type) and a.tensor_type == b.tensor_type, a.name
         assert a.shape.dtype == np.uint64 and a.shape.tolist() == b.shape.tolist(), a.name  # native, also big-endian
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
-        assert a.data.tobytes() == b.data.tobytes(), a.name
-
-
-def test_tensors_are_views_of_the_file_whose_writes_stay_in_the_process(quant_file):
-    """The reader copies no tensor (each is a view of the file's copy-on-write map, so a block matrix costs the
-    page cache's pages, not a copy), and a write to one never reaches the file."""
-    path, _ = quant_file
-    before = path.read_bytes()
-    tensor = open_gguf(path).tensors[0]
-    original = tensor.data.tobytes()
-    assert not tensor.data.flags.owndata
-    raw = tensor.data.reshape(-1).view(np.uint8)
-    raw[:8] ^= 0xFF
-    assert tensor.data.tobytes() != original  # the process sees its write
-    assert path.read_bytes() == before and open_gguf(path).tensors[0].data.tobytes() == original
-
-
-def mapping_rss_kib(address: int) -> int:
-    """The resident KiB of the mapping holding `address` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
-    raise AssertionError("no mapping holds the address")
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
-def test_a_released_matrix_leaves_resident_memory_and_still_reads_the_file(smollm2_path):
-    """Once a matrix's blocks are re-laid out (`QuantBlocks.released`), its pages of the file's map leave the
-    process's resident set (loading peaks near the re-laid-out model, not twice the file); a later read gets the
-    file's bytes again. Blocks that are a copy (rows permuted) are not the map's: never dropped (that would zero
-    anonymous memory)."""
-    (tensor,) = [t for t in open_gguf(smollm2_path).tensors if t.name == "token_embd.weight"]
-    blocks = blocks_of(tensor, BLOCK_TYPES)
-    assert blocks.mapped and blocks.with_rows(blocks.data).mapped
-    assert not blocks.with_rows(blocks.data[torch.arange(blocks.data.shape[0] - 1, -1, -1)]).mapped
-    assert not blocks_of(dataclasses.replace(tensor, data=tensor.data.copy()), BLOCK_TYPES).mapped  # memory of its own
-    before = blocks.data.clone()  # every page read: resident
-    resident = mapping_rss_kib(blocks.data.data_ptr())
-    blocks.released()
-    dropped = resident - mapping_rss_kib(blocks.data.data_ptr())
-    assert dropped >= (blocks.data.numel() - 2 * mmap.PAGESIZE) / 1024, (resident, dropped)  # whole pages only
-    assert torch.equal(blocks.data, before)
+        assert a.data.tobytes() == b.data.tobytes() and not a.data.flags.writeable, a.name
 
 
 def test_reader_matches_gguf_on_default_model(smollm2_path):
