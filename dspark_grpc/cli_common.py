@@ -1,4 +1,4 @@
-"""What every command-line tool of the project shares (torch-free): one-line errors and the service entry points.
+"""What every command-line tool of the project shares (torch-free): one-line errors and the entry points.
 
 An ordinary mistake (a bad flag value, a service that is not running, a missing dependency) prints one line on
 stderr that says what was wrong and what to do, and exits non-zero; never a traceback.
@@ -147,6 +147,15 @@ def _without_server_help(prog: str, about: str, missing: str) -> str:
             f"  pip install 'dist/dspark_grpc-{version}-py3-none-any.whl[server]'\n"
             f"Then `{prog} --help` lists its commands and options. (The client SDK and `dspark` need only "
             "`pip install .`)")
+
+
+def dspark_main() -> None:
+    """`dspark`: the client's commands (dspark_grpc.client.cli), and `dspark bench`, the bench package's program (a
+    tool above the SDK, which never imports it)."""
+    if sys.argv[1:2] == ["bench"]:
+        importlib.import_module("dspark_grpc.bench.cli").main(sys.argv[2:], command=sys.argv)
+    else:
+        importlib.import_module("dspark_grpc.client.cli").main()
 
 
 def target_main() -> None:

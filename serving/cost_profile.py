@@ -79,7 +79,7 @@ def time_sizes(run: Callable[[int], object], sizes: Sequence[int], repeats: int,
     """Median seconds of `run(size)` per size, and what was done. Sizes are interleaved round by round (a slow
     drift of the machine then spreads over every size instead of biasing the last ones); `warmup` untimed
     rounds first. Past `max_seconds` no new round starts (at least one timed round always runs). `clock`: wall
-    time, or e.g. time.process_time (CPU seconds of the process: serving/engine_bench.py on a shared machine)."""
+    time, or e.g. time.process_time (CPU seconds of the process: bench/engine_bench.py on a shared machine)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     times: dict[int, list[float]] = {s: [] for s in sizes}

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from dspark_grpc.client import bench
-from dspark_grpc.client import cli as client_cli
+from dspark_grpc.bench import cli as bench_cli
+from dspark_grpc.bench import served as bench
 from dspark_grpc.runtime.kernels.device import DeviceUnavailable, resolve_device
 from dspark_grpc.target_service import cli as target_cli
 
@@ -82,7 +82,7 @@ def test_bench_passes_device_to_the_services_it_starts(monkeypatch):
 
 def test_bench_refuses_device_for_a_running_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        client_cli.main(["bench", "--prompts", "x.jsonl", "--max-new-tokens", "4", "--json", str(tmp_path / "b.json"),
-                         "--target", "127.0.0.1:1", "--device", "cuda"])
+        bench_cli.main(["--prompts", "x.jsonl", "--max-new-tokens", "4", "--json", str(tmp_path / "b.json"),
+                        "--target", "127.0.0.1:1", "--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device is for the services bench starts" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from dspark_grpc.bench import cli as bench_cli
 from dspark_grpc.client import cli as client_cli
 from dspark_grpc.client.sdk import TargetClient
 from dspark_grpc.draft_service import cli as draft_cli
@@ -27,7 +28,8 @@ from dspark_grpc.cli_common import SERVER_PACKAGES, DefaultsHelpFormatter
 
 NOBODY = "127.0.0.1:1"  # nothing listens on port 1
 HANG_S = 60.0  # a health check's answer (the link's own probe timeout is for a drafter under load, not this test)
-PARSERS = {"dspark": client_cli.parser, "dspark-target": target_cli.parser, "dspark-draft": draft_cli.parser}
+PARSERS = {"dspark": client_cli.parser, "dspark bench": bench_cli.parser, "dspark-target": target_cli.parser,
+           "dspark-draft": draft_cli.parser}
 # what grpcio 1.85 said, observed once against the servers below (speculation/channel.py, tls_mismatch)
 PLAINTEXT_TO_TLS = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:42491: Socket closed"
 TLS_TO_PLAINTEXT = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:36639: Tls handshake "
@@ -42,13 +44,17 @@ REFUSED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.
 
 def sub_parsers(prog: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     p = PARSERS[prog]()
+    if " " in prog:  # a sub-command that is a program of its own
+        yield prog, p
+        return
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield f"{prog} {name}", sub
 
 
-ALL = [pair for prog in PARSERS for pair in sub_parsers(prog)]
+# `dspark bench` in `dspark`'s parser only lists it (the bench package's own parser has its options)
+ALL = [pair for prog in PARSERS for pair in sub_parsers(prog) if pair[0] != "dspark bench" or prog == "dspark bench"]
 
 
 @pytest.mark.parametrize(("name", "parser"), ALL, ids=[name for name, _ in ALL])
@@ -69,7 +75,7 @@ def test_every_option_has_help_that_states_its_default(name, parser):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["dspark", "bench", "--help"], ["--max-new-tokens", "(default: ar,speculation)", "(default: 15.0)"]),
+    (["dspark bench", "--help"], ["--max-new-tokens", "(default: ar,speculation)", "(default: 15.0)"]),
     (["dspark", "generate", "--help"], ["(default: 128)", "(default: adaptive)", "(default: 127.0.0.1:50051)"]),
     (["dspark-target", "serve", "--help"], ["--no-draft-ahead", "by default it drafts", "(default: 50051)",
                                             "(default: 16)", "--max-message-bytes"]),
@@ -117,7 +123,7 @@ def test_service_help_in_an_sdk_only_install_says_what_to_install(prog, entry, a
 
 @pytest.mark.parametrize("command", ["generate", "bench", "demo", "health"])
 def test_the_client_help_needs_no_service_dependency(command):
-    out = _sdk_only("from dspark_grpc.client.cli import main\nmain()", "dspark", command, "--help")
+    out = _sdk_only("from dspark_grpc.cli_common import dspark_main\ndspark_main()", "dspark", command, "--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: dspark {command}") and "(default: " in " ".join(out.stdout.split())
 

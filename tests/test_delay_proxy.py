@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from dspark_grpc.client.delay_proxy import delay_proxy
+from dspark_grpc.bench.delay_proxy import delay_proxy
 
 
 def _echo_server() -> tuple[socket.socket, str]:

@@ -121,7 +121,7 @@ def _result(concurrency: list[int], **machine) -> dict:
 
 def test_a_bench_plot_names_its_machine_and_commit_and_its_ratio_labels_do_not_overlap(tmp_path):
     pytest.importorskip("matplotlib")
-    from dspark_grpc.client.bench import plot_bench
+    from dspark_grpc.bench.plot import plot_bench
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.text import Text
 
@@ -147,14 +147,14 @@ def test_a_bench_plot_names_its_machine_and_commit_and_its_ratio_labels_do_not_o
 
 def test_a_bench_plot_says_what_it_does_not_know():
     pytest.importorskip("matplotlib")
-    from dspark_grpc.client.bench import bench_figure
+    from dspark_grpc.bench.plot import bench_figure
 
     title = bench_figure(_result([1])).get_suptitle()
     assert "CPU model not recorded" in title and "commit not recorded" in title
 
 
 def test_the_bench_records_the_commit_of_the_checkout_it_runs_from():
-    from dspark_grpc.client.bench import git_commit
+    from dspark_grpc.bench.machine import git_commit
 
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")

@@ -4,7 +4,9 @@
     speculation  <-  runtime (model math)  <-  serving (batcher, sessions, codec, gRPC skeleton, profilers)
         <-  target_service, draft_service
     speculation  <-  client (the SDK: torch-free)
-    runtime, client  <-  train (the drafter's trainer: a tool on top, which records its runs as the bench does)
+    client, serving, target_service  <-  bench (the measuring tools on top: `dspark bench`, the engine bench, other
+        engines' baselines; the `dspark` entry point runs `dspark bench` by name, so the SDK never imports it)
+    runtime, client, bench  <-  train (the drafter's trainer: a tool on top, which records its runs as the bench does)
 
 No service imports the other or the SDK; the SDK imports neither a service, nor runtime, nor torch; nothing below
 the SDK imports it. And no module imports itself through others (no import cycle, imports inside functions
@@ -21,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("protos", "dspark_grpc", "speculation", "runtime", "serving", "client", "target_service", "draft_service",
-           "train")
+           "bench", "train")
 ALLOWED = {  # folder -> what it may import of ours (itself always)
     "protos": set(),
     "dspark_grpc": set(),
@@ -31,7 +33,10 @@ ALLOWED = {  # folder -> what it may import of ours (itself always)
     "serving": {"protos", "cli_common", "speculation", "runtime"},
     "target_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
     "draft_service": {"protos", "cli_common", "speculation", "runtime", "serving"},
-    "train": {"speculation", "runtime", "client"},  # a tool over the model math; the bench's machine record
+    # the measuring tools: `dspark bench` over the SDK, the engine bench over serving, baselines over the target's
+    # prompt encoding
+    "bench": {"protos", "cli_common", "speculation", "runtime", "serving", "client", "target_service"},
+    "train": {"speculation", "runtime", "client", "bench"},  # a tool over the model math; the bench's machine record
 }
 NO_TORCH = ("protos", "dspark_grpc", "speculation", "client")
 FOLDER_OF = {"cli_common": "dspark_grpc"}

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from dspark_grpc.client.bench import git_commit, machine_info
+from dspark_grpc.bench.machine import git_commit, machine_info
 from dspark_grpc.runtime.formats.checkpoint import PRECISIONS, default_model_path, inference_model, load_checkpoint
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter, save_drafter
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer

@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from dspark_grpc.client.bench import git_commit, machine_info
+from dspark_grpc.bench.machine import git_commit, machine_info
 
 
 def ar_step_s(entry: dict) -> float:

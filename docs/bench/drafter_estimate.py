@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from dspark_grpc.client.bench import HUMANEVAL, load_prompts
+from dspark_grpc.bench.prompts import HUMANEVAL, load_prompts
 from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter
 from dspark_grpc.train.cli import load_target

@@ -186,7 +186,7 @@ def shipped_drafter() -> Path:
 
 
 def provenance(quick: bool) -> dict:
-    from dspark_grpc.client.bench import git_commit
+    from dspark_grpc.bench.machine import git_commit
 
     return {"host": host_info(), "commit": git_commit() or "unknown", "drafter": drafter_checksum(shipped_drafter()),
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick,
@@ -618,7 +618,7 @@ def round_section(suite: Suite, section: str = "round") -> dict:
 
 def rows_section(suite: Suite, section: str = "rows") -> dict:
     s = suite.sizes
-    argv = [program("python"), "-m", "dspark_grpc.serving.engine_bench", "--precisions", "fast", "--compile", "max",
+    argv = [program("python"), "-m", "dspark_grpc.bench.engine_bench", "--precisions", "fast", "--compile", "max",
             "--rows", ",".join(map(str, s.rows)), "--rounds", str(s.rounds), "--repeats", str(s.repeats)]
     env = inductor_cache()
     log = suite.log(section)

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from dspark_grpc.bench.llama_cpp_baseline import generate, quantize
+from dspark_grpc.bench.machine import git_commit, machine_info
+from dspark_grpc.bench.prompts import load_prompts
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.bench import git_commit, load_prompts, machine_info
 from dspark_grpc.client.local_stack import local_target
 from dspark_grpc.runtime.formats.checkpoint import default_model_path, inference_model, load_checkpoint
 from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
@@ -40,7 +42,6 @@ from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.runtime.kernels.compiled_step import model_tensors
 from dspark_grpc.runtime.models.decode import prefill
 from dspark_grpc.target_service.engine import encode_prompt
-from dspark_grpc.target_service.llama_cpp_baseline import generate, quantize
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTIZED = ROOT / ".cache" / "quantized"
@@ -132,7 +133,7 @@ def ar_vs_llama_cpp(path: Path, limit: int, tokens: int, log) -> dict:
     """Our AR and llama.cpp's through `dspark bench` (one run: llama.cpp before and after our AR)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "dspark_grpc.client.cli", "bench", "--prompts", str(PROMPTS),
+        cmd = [sys.executable, "-m", "dspark_grpc.bench", "--prompts", str(PROMPTS),
                "--limit", str(limit), "--max-new-tokens", str(tokens), "--ignore-eos", "--modes", "ar",
                "--baseline", "llama-cpp",
                "--target-model", str(path), "--no-cost-profile", "--json", str(out)]

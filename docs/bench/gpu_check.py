@@ -146,7 +146,7 @@ def main() -> None:
     costs = guarded(forward_costs, args.device)
     bench_json = OUT / "bench.json"
     bench_json.unlink(missing_ok=True)
-    bench = run("bench", [sys.executable, "-m", "dspark_grpc.client.cli", "bench", *BENCH, "--device", args.device,
+    bench = run("bench", [sys.executable, "-m", "dspark_grpc.bench", *BENCH, "--device", args.device,
                           "--json", str(bench_json), "--plot", str(OUT / "bench.png")], timeout=270)
     elapsed = time.perf_counter() - t0
     result = json.loads(bench_json.read_text()) if bench_json.exists() else None
@@ -158,7 +158,8 @@ def main() -> None:
 
 def report(device: str, tests: tuple[bool, str], kernel: dict, costs: dict[str, float], bench: tuple[bool, str],
            result: dict | None, elapsed: float) -> str:
-    from dspark_grpc.client.bench import format_table, git_commit
+    from dspark_grpc.bench.machine import git_commit
+    from dspark_grpc.bench.served import format_table
 
     index = torch.device(device).index or 0
     table = format_table(result) if result else f"no result: {bench[1]}"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from dspark_grpc.client.bench import HUMANEVAL
+from dspark_grpc.bench.prompts import HUMANEVAL
 from dspark_grpc.runtime.drafting.markov import chain_confidences, greedy_chains, markov_step
 from dspark_grpc.runtime.formats.checkpoint import default_model_path
 from dspark_grpc.runtime.formats.drafter_formats import load_drafter

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from dspark_grpc.client.bench import git_commit, machine_info
+from dspark_grpc.bench.machine import git_commit, machine_info
 from dspark_grpc.protos.dspark.v1 import common_pb2
 
 from tests.reliability.conftest import service

@@ -110,7 +110,7 @@ def main() -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--plot")
     args = p.parse_args()
-    from dspark_grpc.client.bench import git_commit, machine_info
+    from dspark_grpc.bench.machine import git_commit, machine_info
 
     from docs.bench.gguf_files_vs_llama_cpp import gemma3_path, requantized
 

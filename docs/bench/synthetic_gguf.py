@@ -86,8 +86,8 @@ def write_f16(source: Path, out: Path, shape: str, seed: int = 0) -> None:
 
 
 def main() -> None:
+    from dspark_grpc.bench.llama_cpp_baseline import quantize
     from dspark_grpc.runtime.formats.checkpoint import default_model_path
-    from dspark_grpc.target_service.llama_cpp_baseline import quantize
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")

@@ -19,10 +19,10 @@ import sys
 import gguf
 import torch
 from block_quants import fast_block_model, llama_cpp_mix
+from dspark_grpc.bench.engine_bench import check_invariance
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.runtime.kernels.cpu_kernels import default_compile_cache
-from dspark_grpc.serving.engine_bench import check_invariance
 
 Q = gguf.GGMLQuantizationType
 ROWS = [*range(1, 17), 40]

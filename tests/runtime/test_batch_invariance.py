@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from block_quants import fast_block_model as fast_tiny_model
 from block_quants import llama_cpp_mix, quantize_blocks, wide_tiny_models
+from dspark_grpc.bench.engine_bench import ar_steps
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels import cpu_kernels
 from dspark_grpc.runtime.kernels.quant import (
@@ -28,7 +29,6 @@ from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.models.linear import Linear, rows_one_by_one
 from dspark_grpc.runtime.models.transformer import Transformer
 from dspark_grpc.runtime.models.tree import ancestor_mask
-from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="torch has no CPU int4 matmul")

@@ -12,14 +12,14 @@ import gguf
 import pytest
 import torch
 from block_quants import random_blocks
+from dspark_grpc.bench import engine_bench
+from dspark_grpc.bench.engine_bench import ar_steps
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels.compiled_step import CompiledStep, artifact_key, load_step, save_step, vector_isa
 from dspark_grpc.runtime.kernels.quant import BLOCK_TYPES, dequantize_rows, int4_available
 from dspark_grpc.runtime.models.decode import prefill, tree_input, verify_tree
 from dspark_grpc.runtime.models.slot_cache import SlotCache
 from dspark_grpc.runtime.models.transformer import Transformer
-from dspark_grpc.serving import engine_bench
-from dspark_grpc.serving.engine_bench import ar_steps
 from runtime_helpers import random_tokens
 from test_batch_invariance import TREE_AR_STEPS, assert_verifies_equal_ar_steps, quantized, tree_of
 from torch._inductor import cpu_vec_isa

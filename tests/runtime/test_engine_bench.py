@@ -1,11 +1,11 @@
-"""The micro-benchmark command (serving/engine_bench.py) runs and reports; its timings are not asserted."""
+"""The micro-benchmark command (bench/engine_bench.py) runs and reports; its timings are not asserted."""
 
 from __future__ import annotations
 
 import torch
+from dspark_grpc.bench import engine_bench
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.kernels import cpu_kernels
-from dspark_grpc.serving import engine_bench
 from test_batch_invariance import Q, fast_tiny_model
 
 

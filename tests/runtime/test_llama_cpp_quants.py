@@ -35,7 +35,7 @@ def llama_cpp():
 
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"])
 def test_a_file_llama_cpp_quantized_loads_with_defaults_and_runs_as_llama_cpp_does(llama_cpp, ftype):
-    from dspark_grpc.target_service.llama_cpp_baseline import generate, quantize
+    from dspark_grpc.bench.llama_cpp_baseline import generate, quantize
 
     path = quantize(default_model_path(), QUANTIZED / f"smollm2-135m-{ftype.lower()}.gguf", ftype)
     precision, why = auto_precision(path)
@@ -73,7 +73,7 @@ def test_the_exact_path_on_a_k_quant_file_decodes_as_transformers_does(llama_cpp
     """The exact precision of a llama.cpp-quantized file (every matrix dequantized to float32 by our reader) against
     transformers loading the same file (its GGUF loader dequantizes with the gguf package): the same greedy tokens
     from the same prompt ids, and logits within the float32 error bound of the computation (tests/tolerance.py)."""
-    from dspark_grpc.target_service.llama_cpp_baseline import quantize
+    from dspark_grpc.bench.llama_cpp_baseline import quantize
     from transformers import AutoModelForCausalLM
 
     path = quantize(default_model_path(), QUANTIZED / f"smollm2-135m-{ftype.lower()}.gguf", ftype)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dspark_grpc.bench.engine_bench import ar_steps
 from dspark_grpc.runtime.formats.checkpoint import inference_model, load_checkpoint
 from dspark_grpc.runtime.models.decode import commit_path, prefill, verify_tree
-from dspark_grpc.serving.engine_bench import ar_steps
 from dspark_grpc.serving.threads import ThreadGovernor, same_outputs_on_one_thread
 from runtime_helpers import random_tokens
 

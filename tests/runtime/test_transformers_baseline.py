@@ -1,4 +1,4 @@
-"""`dspark bench --baseline transformers` (target_service/transformers_baseline.py, issue 57 point 3): HF's generate on
+"""`dspark bench --baseline transformers` (bench/transformers_baseline.py, issue 57 point 3): HF's generate on
 the embedded GGUF through transformers' own GGUF loader, run as the bench runs it (a child process, its JSON on
 stdout). Its greedy tokens are our exact precision's AR tokens for the same prompt ids: the reference line runs the
 same model; EOS is honoured or ignored as the bench's modes do (a tiny random Llama, in process)."""
@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import torch
+from dspark_grpc.bench.transformers_baseline import generate
 from dspark_grpc.runtime.formats.checkpoint import default_model_path, inference_model, load_checkpoint
 from dspark_grpc.runtime.formats.gguf_reader import open_gguf, read_gguf_metadata
 from dspark_grpc.runtime.formats.tokenizer import TextTokenizer
 from dspark_grpc.target_service.engine import encode_prompt
-from dspark_grpc.target_service.transformers_baseline import generate
 from runtime_helpers import greedy_decode
 
 PROMPTS = [{"prompt": "The three primary colours are"},
@@ -25,7 +25,7 @@ TOKENS = 20
 def baseline(tmp_path, *extra: str) -> dict:
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps(PROMPTS))
-    run = subprocess.run([sys.executable, "-m", "dspark_grpc.target_service.transformers_baseline", "--prompts-json",
+    run = subprocess.run([sys.executable, "-m", "dspark_grpc.bench.transformers_baseline", "--prompts-json",
                           str(path), "--max-new-tokens", str(TOKENS), "--device", "cpu", *extra],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

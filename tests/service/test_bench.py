@@ -9,7 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dspark_grpc.client.bench import bracketed, format_table, load_prompts, per_position_acceptance
+from dspark_grpc.bench.prompts import load_prompts
+from dspark_grpc.bench.served import bracketed, format_table, per_position_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "docs" / "prompts" / "smoke.jsonl"
@@ -25,7 +26,7 @@ TREE = "speculation/proposal=tree/proposer=ngram"
 
 
 def test_parse_mode():
-    from dspark_grpc.client.bench import parse_mode
+    from dspark_grpc.bench.served import parse_mode
 
     assert parse_mode("ar") == ("ar", {})
     assert parse_mode(TREE + "/budget=8") == ("speculation", {"proposal": "tree", "proposer": "ngram", "budget": 8})
@@ -178,7 +179,7 @@ def test_the_llama_cpp_baseline_runs_on_this_cpu(tmp_path):
         pytest.skip("llama-cpp-python is not installed (make llama-cpp)")
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([{"prompt": "Say hello."}]))
-    run = subprocess.run([sys.executable, "-m", "dspark_grpc.target_service.llama_cpp_baseline", "--prompts-json",
+    run = subprocess.run([sys.executable, "-m", "dspark_grpc.bench.llama_cpp_baseline", "--prompts-json",
                           str(prompts), "--max-new-tokens", "4", "--ignore-eos"], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -187,7 +188,7 @@ def test_the_llama_cpp_baseline_runs_on_this_cpu(tmp_path):
 
 
 def test_a_baseline_killed_by_an_illegal_instruction_says_how_to_rebuild(monkeypatch, tmp_path):
-    from dspark_grpc.client import bench
+    from dspark_grpc.bench import served as bench
 
     dies = tmp_path / "dies.sh"
     dies.write_text("#!/bin/sh\nkill -ILL $$\n")
@@ -209,7 +210,7 @@ def _bench_result(concurrency: list[int], block: int = 4) -> dict:
 
 
 def test_plot_of_one_concurrency_is_labelled_bars_and_explains_the_hybrid_jump(tmp_path):
-    from dspark_grpc.client.bench import plot_bench
+    from dspark_grpc.bench.plot import plot_bench
 
     fig = plot_bench(_bench_result([1]), tmp_path / "one.png")
     speed, accept = fig.axes[:2]
@@ -222,7 +223,7 @@ def test_plot_of_one_concurrency_is_labelled_bars_and_explains_the_hybrid_jump(t
 
 
 def test_plot_of_several_concurrencies_is_lines_with_ratios():
-    from dspark_grpc.client.bench import plot_bench
+    from dspark_grpc.bench.plot import plot_bench
 
     fig = plot_bench(_bench_result([1, 4], block=8), "/dev/null")
     speed, accept = fig.axes[:2]
@@ -232,7 +233,7 @@ def test_plot_of_several_concurrencies_is_lines_with_ratios():
 
 
 def test_lossless_compares_repeated_runs_prompt_by_prompt():
-    from dspark_grpc.client.bench import _lossless
+    from dspark_grpc.bench.served import _lossless
 
     one, twice = {"outputs": [[1, 2], [3]]}, {"outputs": [[1, 2], [3], [1, 2], [3]]}
     other = {"outputs": [[1, 2], [3], [1, 2], [4]]}
@@ -243,7 +244,7 @@ def test_lossless_compares_repeated_runs_prompt_by_prompt():
 
 
 def test_plot_shows_each_repeated_runs_spread_as_a_bar():
-    from dspark_grpc.client.bench import plot_bench
+    from dspark_grpc.bench.plot import plot_bench
 
     result = _bench_result([1, 4])
     result["results"]["ar"]["4"]["runs_tokens_per_s"] = [30.0, 50.0]  # two runs at C = 4; C = 1 ran once

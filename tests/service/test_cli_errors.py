@@ -165,7 +165,7 @@ def test_a_stopped_launcher_stops_its_services(sig, tmp_path):
         reader.join(60)
         err = "".join(lines)
         assert proc.returncode == 130, err
-        assert "Traceback" not in err and "dspark: error: interrupted" in err
+        assert "Traceback" not in err and "dspark bench: error: interrupted" in err
         gone, alive = psutil.wait_procs(children, timeout=60)
         assert not alive
     finally:  # only what this test started: the session's services are children of this process too
@@ -186,7 +186,7 @@ def test_a_launcher_fails_at_once_when_its_service_dies(tmp_path):
               str(tmp_path / "b.json"), "--target-model", str(model), timeout=180)
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("dspark: error: the target service exited") and "failed to load" in last
+    assert last.startswith("dspark bench: error: the target service exited") and "failed to load" in last
     assert "Traceback" not in out.stderr
 
 

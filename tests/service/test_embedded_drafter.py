@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from dspark_grpc.client import TargetClient
-from dspark_grpc.client.bench import drafter_info
 from dspark_grpc.client.local_stack import local_drafter
+from dspark_grpc.client.sdk import drafter_info
 from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
 
 from tests.service.conftest import target_with_drafter

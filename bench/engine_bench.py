@@ -1,4 +1,4 @@
-"""`python -m dspark_grpc.serving.engine_bench`: ms per target forward for 1/2/4/8/16 verify rows per precision.
+"""`python -m dspark_grpc.bench.engine_bench`: ms per target forward for 1/2/4/8/16 verify rows per precision.
 
 Each variant is timed by the start-up profiler itself (cost_profile.profile_target: a chain verify of M rows on
 top of `--context` committed rows, sizes interleaved), `--rounds` times with the variants interleaved (a busy
@@ -78,7 +78,7 @@ def check_invariance(model: Transformer, steps: int = 48, context: int = 200) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dspark_grpc.serving.engine_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dspark_grpc.bench.engine_bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory; default: the embedded SmolLM2 GGUF")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--rows", default="1,2,4,8,16")
