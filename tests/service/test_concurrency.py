@@ -39,20 +39,27 @@ def test_concurrent_ar_requests_get_the_tokens_each_gets_alone(target_address):
     assert len({tuple(t) for t in alone}) == len(PROMPTS)  # different prompts, different outputs: a mix-up shows
 
 
-def test_every_mode_at_concurrency_gives_ar_tokens(spec_target_address):
+@pytest.fixture(scope="module")
+def spec_reference(spec_target_address) -> list[list[int]]:
+    """AR's tokens for PROMPTS from the speculating target, one request at a time (for every test below)."""
     with TargetClient(spec_target_address) as client:
-        reference = _generate_all(client, 1, mode="ar")
+        return _generate_all(client, 1, mode="ar")
+
+
+def test_every_mode_at_concurrency_gives_ar_tokens(spec_target_address, spec_reference):
+    reference = spec_reference
+    with TargetClient(spec_target_address) as client:
         for options in (dict(mode="speculation"), dict(mode="adaptive"),
                         dict(mode="speculation", proposal="tree", proposer="hybrid", budget=6)):
             assert _generate_all(client, 3, **options) == reference, options
 
 
 @pytest.fixture(scope="module")
-def round_of_four(spec_target_address) -> tuple[list[list[int]], list[list[int]], list[list[target_pb2.StepReport]]]:
+def round_of_four(spec_target_address, spec_reference
+                  ) -> tuple[list[list[int]], list[list[int]], list[list[target_pb2.StepReport]]]:
     """Four sessions (mode speculation, the random drafter, greedy) opened and prefilled one by one, then stepped
     from four threads that send their first Steps together: (AR's tokens, each session's tokens, its reports)."""
-    with TargetClient(spec_target_address) as client:
-        reference = _generate_all(client, 1, mode="ar")
+    reference = spec_reference
     n = len(PROMPTS)
     sessions = [RawSession(spec_target_address) for _ in range(n)]  # one stream each, as n clients would
     try:

@@ -11,7 +11,7 @@ from dspark_grpc.serving.tensor_codec import from_proto, to_proto
 from dspark_grpc.speculation.channel import SessionStream
 from tolerance import gamma, softmax_error
 
-from tests.service.conftest import DRAFT_MAX_SESSIONS, RawSession, health_status
+from tests.service.conftest import DRAFT_MAX_SESSIONS, RawSession, concurrently, health_status
 
 INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 3, 5, 8, 9
 PROMPT = [1, 9690, 198, 23409, 253, 2143, 1202, 338, 14855, 2, 198, 1, 520, 9531, 198]
@@ -243,9 +243,9 @@ LOSSLESS_PROMPTS = [[{"role": "user", "content": q}] for q in
 
 @pytest.fixture(scope="module")
 def ar_outputs(target_address) -> list:
-    """AR's result for each of LOSSLESS_PROMPTS (computed once for every speculative variant)."""
+    """AR's result for each of LOSSLESS_PROMPTS (computed once for every speculative variant; the prompts at once)."""
     with TargetClient(target_address) as client:
-        return [client.generate(messages=m, max_new_tokens=24, mode="ar") for m in LOSSLESS_PROMPTS]
+        return concurrently(lambda m: client.generate(messages=m, max_new_tokens=24, mode="ar"), LOSSLESS_PROMPTS)
 
 
 @pytest.mark.parametrize("proposal,proposer,kernel", [
@@ -254,12 +254,14 @@ def ar_outputs(target_address) -> list:
 ])
 def test_speculation_is_lossless(spec_target_address, ar_outputs, proposal, proposer, kernel):
     # the fused kernel runs in Triton's interpreter here (slow): one prompt shows the wiring; tests/heads compares
-    # the kernel with the torch path token for token
+    # the kernel with the torch path token for token. The prompts run at once (fewer than the drafter's sessions for
+    # one principal, DRAFT_MAX_SESSIONS - 1): the target verifies them in one forward a step.
     prompts = 1 if kernel == "fused" else len(LOSSLESS_PROMPTS)
     with TargetClient(spec_target_address) as client:
-        for messages, ar in zip(LOSSLESS_PROMPTS[:prompts], ar_outputs[:prompts], strict=True):
-            spec = client.generate(messages=messages, max_new_tokens=24, mode="speculation", proposal=proposal,
-                                   proposer=proposer, kernel=kernel)
+        specs = concurrently(lambda messages: client.generate(
+            messages=messages, max_new_tokens=24, mode="speculation", proposal=proposal, proposer=proposer,
+            kernel=kernel), LOSSLESS_PROMPTS[:prompts])
+        for spec, ar in zip(specs, ar_outputs[:prompts], strict=True):
             assert spec.token_ids == ar.token_ids and spec.text == ar.text
             assert spec.stats.fallback_reason == ""
             assert spec.stats.mode_run == common_pb2.DECODE_MODE_SPECULATION or proposer == "ngram"
@@ -293,8 +295,7 @@ def test_seeded_speculative_sampling_is_reproducible(spec_target_address):
     kwargs = dict(messages=[{"role": "user", "content": "Tell me a fact about cats."}], max_new_tokens=24,
                   temperature=0.8, top_p=0.9, mode="speculation", proposer="dspark", ignore_eos=True)
     with TargetClient(spec_target_address) as client:
-        a = client.generate(seed=11, **kwargs)
-        b = client.generate(seed=11, **kwargs)
+        a, b = concurrently(lambda seed: client.generate(seed=seed, **kwargs), (11, 11))
         assert a.token_ids == b.token_ids and len(a.token_ids) == 24
         assert a.stats.speculative_steps > 0 and a.stats.fallback_reason == ""
 
@@ -309,10 +310,10 @@ def test_eos_stop_strings_and_max_tokens_match_ar_when_speculating(spec_target_a
         cases = [dict(max_new_tokens=120), dict(max_new_tokens=5), dict(max_new_tokens=11),
                  dict(max_new_tokens=120, stop=[text[len(text) // 2: len(text) // 2 + 4]]),
                  dict(max_new_tokens=120, stop=["zzz-never", text[-6:-2]])]
-        for kwargs in cases:
-            ar = client.generate(messages=chat, mode="ar", **kwargs)
-            for proposer in ("ngram", "hybrid"):
-                spec = client.generate(messages=chat, mode="speculation", proposer=proposer, proposal="tree", **kwargs)
+        runs = [dict(mode="ar"), *(dict(mode="speculation", proposer=p, proposal="tree") for p in ("ngram", "hybrid"))]
+        for kwargs in cases:  # a case's three requests at once
+            ar, *specs = concurrently(lambda run, kwargs=kwargs: client.generate(messages=chat, **run, **kwargs), runs)
+            for spec in specs:
                 assert (spec.text, spec.token_ids, spec.finish_reason) == (ar.text, ar.token_ids, ar.finish_reason)
                 assert spec.stats.generated_tokens == len(spec.token_ids)
         # this prompt repeats itself, so multi-token steps really happened

@@ -10,7 +10,7 @@ from dspark_grpc.client.local_stack import local_drafter
 from dspark_grpc.client.sdk import drafter_info
 from dspark_grpc.draft_service.engine import EMBEDDED_DRAFTER
 
-from tests.service.conftest import target_with_drafter
+from tests.service.conftest import concurrently, target_with_drafter
 
 PROMPTS = [
     [{"role": "user", "content": "Explain in three sentences why the sky is blue."}],
@@ -35,11 +35,13 @@ def test_the_shipped_drafter_is_lossless_and_its_drafts_are_accepted(embedded_st
     assert drafter_info(drafter).name == EMBEDDED_DRAFTER.name
     with TargetClient(target) as client:
         dspark_accepted, per_step = 0, {}
-        for messages in PROMPTS:
-            ar = client.generate(messages=messages, max_new_tokens=32, mode="ar")
-            for proposer, proposal in (("dspark", "chain"), ("ngram", "tree"), ("hybrid", "tree")):
-                spec = client.generate(messages=messages, max_new_tokens=32, mode="speculation", proposer=proposer,
-                                       proposal=proposal)
+        # a configuration's requests (one a prompt) at once: the target verifies them in one forward a step
+        ars = concurrently(lambda messages: client.generate(messages=messages, max_new_tokens=32, mode="ar"), PROMPTS)
+        for proposer, proposal in (("dspark", "chain"), ("ngram", "tree"), ("hybrid", "tree")):
+            specs = concurrently(lambda messages, proposer=proposer, proposal=proposal: client.generate(
+                messages=messages, max_new_tokens=32, mode="speculation", proposer=proposer, proposal=proposal),
+                PROMPTS)
+            for ar, spec in zip(ars, specs, strict=True):
                 assert spec.token_ids == ar.token_ids, (proposer, proposal)
                 assert spec.stats.fallback_reason == "", spec.stats.fallback_reason
                 steps, tokens = per_step.get(proposer, (0, 0))

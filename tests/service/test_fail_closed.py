@@ -9,7 +9,7 @@ import grpc
 from dspark_grpc.client import TargetClient
 from dspark_grpc.protos.dspark.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 
-from tests.service.conftest import DRAFT_MAX_SESSIONS, HANG_S, target_with_drafter
+from tests.service.conftest import DRAFT_MAX_SESSIONS, HANG_S, concurrently, target_with_drafter
 
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 NO_PROFILE_RANDOM = ["--drafter", "random", "--quiet", "--no-cost-profile"]
@@ -64,13 +64,16 @@ def test_generate_rpc_speculates_server_side(spec_target_address):
         stub = target_pb2_grpc.TargetServiceStub(channel)
         prompt = common_pb2.Prompt(chat=common_pb2.ChatMessages(messages=[
             common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]))
-        runs = {}
-        for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION):
-            for proposal in (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE):
-                out = list(stub.Generate(target_pb2.GenerateRequest(
-                    prompt=prompt, max_new_tokens=24, mode=mode, proposal=proposal), timeout=120))
-                runs[mode, proposal] = ([t for m in out for t in m.token_ids], "".join(m.text for m in out),
-                                        out[-1].stats)
+
+        def run(mode_proposal: tuple[int, int]) -> tuple[list[int], str, common_pb2.GenerationStats]:
+            mode, proposal = mode_proposal
+            out = list(stub.Generate(target_pb2.GenerateRequest(
+                prompt=prompt, max_new_tokens=24, mode=mode, proposal=proposal), timeout=120))
+            return [t for m in out for t in m.token_ids], "".join(m.text for m in out), out[-1].stats
+
+        keys = [(mode, proposal) for mode in (common_pb2.DECODE_MODE_AR, common_pb2.DECODE_MODE_SPECULATION)
+                for proposal in (draft_pb2.PROPOSAL_KIND_CHAIN, draft_pb2.PROPOSAL_KIND_TREE)]
+        runs = dict(zip(keys, concurrently(run, keys), strict=True))  # the four requests at once
         ar = runs[common_pb2.DECODE_MODE_AR, draft_pb2.PROPOSAL_KIND_CHAIN]
         for (mode, _), (ids, text, stats) in runs.items():
             assert (ids, text) == ar[:2]

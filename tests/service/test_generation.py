@@ -17,6 +17,8 @@ from dspark_grpc.runtime.models.config import config_from_hf
 from dspark_grpc.serving.tensor_codec import from_proto
 from tolerance import chain_length, hidden_tolerance, logit_scale, network_tolerance, unit_roundoff
 
+from tests.service.conftest import concurrently
+
 CHATS = [
     "What is the capital of France?",
     "Write a Python function that checks whether a number is prime.",
@@ -53,8 +55,9 @@ def hf_greedy_check(hf_model, prompt: list[int], generated: list[int]) -> None:
 def test_greedy_generation_matches_hf(client, tokenizer, hf_smollm2):
     # through the service, a chat prompt and a text prompt; more prompts vs HF in tests/runtime/test_smollm2_vs_hf.py
     prompts = prompt_ids(tokenizer)
-    for ids in (prompts[1], prompts[-1]):
-        result = client.generate(tokens=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    chosen = (prompts[1], prompts[-1])
+    results = concurrently(lambda ids: client.generate(tokens=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True), chosen)
+    for ids, result in zip(chosen, results, strict=True):
         assert len(result.token_ids) == NEW_TOKENS and result.finish_reason == "length"
         assert result.stats.prompt_tokens == len(ids) and result.stats.steps == NEW_TOKENS - 1
         hf_greedy_check(hf_smollm2, ids, result.token_ids)
@@ -206,20 +209,21 @@ def test_eos_stop_strings_and_max_tokens(client):
     full = client.generate(messages=chat, max_new_tokens=200)
     assert full.finish_reason == "eos" and 2 not in full.token_ids  # <|im_end|> ends the reply, not shown
     assert 0 < len(full.token_ids) < 200
-    short = client.generate(messages=chat, max_new_tokens=3)
-    assert short.finish_reason == "length" and short.token_ids == full.token_ids[:3]
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
-    cut = client.generate(messages=chat, max_new_tokens=200, stop=[stop])
+    short, cut, streamed = concurrently(lambda run: run(), [  # the three requests at once
+        lambda: client.generate(messages=chat, max_new_tokens=3),
+        lambda: client.generate(messages=chat, max_new_tokens=200, stop=[stop]),
+        lambda: list(client.stream(messages=chat, max_new_tokens=200))])
+    assert short.finish_reason == "length" and short.token_ids == full.token_ids[:3]
     assert cut.finish_reason == "stop_string" and cut.text == full.text[: full.text.index(stop)]
-    streamed = list(client.stream(messages=chat, max_new_tokens=200))
     assert "".join(t for t, _, _ in streamed) == full.text and streamed[-1][2] == "eos"
 
 
 def test_seeded_sampling_is_reproducible(client):
     kwargs = dict(prompt="My favourite animal is", max_new_tokens=16, temperature=0.9, top_p=0.95, ignore_eos=True)
-    a = client.generate(seed=1, **kwargs).token_ids
-    assert a == client.generate(seed=1, **kwargs).token_ids
-    others = {tuple(client.generate(seed=s, **kwargs).token_ids) for s in (2, 3, 4)}
+    a, again = concurrently(lambda seed: client.generate(seed=seed, **kwargs).token_ids, (1, 1))
+    assert a == again
+    others = {tuple(t) for t in concurrently(lambda seed: client.generate(seed=seed, **kwargs).token_ids, (2, 3, 4))}
     assert len(others | {tuple(a)}) > 1
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.service.conftest import concurrently
+
 
 def grpcurl_binary() -> str:
     for candidate in (Path(sys.executable).parent / "grpcurl", shutil.which("grpcurl")):
@@ -62,16 +64,20 @@ def test_model_info_and_generate_with_json(target_address, client):
 
 def test_whole_speculative_generation_with_grpcurl(spec_target_address, target_address):
     messages = [{"role": "user", "content": "List three fruits."}]
-    runs = {}
     speculation = "DECODE_MODE_SPECULATION"
-    for mode, proposal in (("DECODE_MODE_AR", "PROPOSAL_KIND_CHAIN"), (speculation, "PROPOSAL_KIND_CHAIN"),
-                           (speculation, "PROPOSAL_KIND_TREE")):
+
+    def run(mode_proposal: tuple[str, str]) -> tuple[str, list[int], dict]:
+        mode, proposal = mode_proposal
         request = {"prompt": {"chat": {"messages": messages}}, "max_new_tokens": 32, "mode": mode,
                    "proposal": proposal}
         out = grpcurl(spec_target_address, "dspark.v1.TargetService/Generate", data=json.dumps(request))
         msgs = [json.loads(m) for m in _split_json_stream(out)]
-        runs[mode, proposal] = ("".join(m.get("text", "") for m in msgs),
-                                [t for m in msgs for t in m.get("token_ids", [])], msgs[-1]["stats"])
+        return "".join(m.get("text", "") for m in msgs), [t for m in msgs for t in m.get("token_ids", [])], \
+            msgs[-1]["stats"]
+
+    keys = [("DECODE_MODE_AR", "PROPOSAL_KIND_CHAIN"), (speculation, "PROPOSAL_KIND_CHAIN"),
+            (speculation, "PROPOSAL_KIND_TREE")]
+    runs = dict(zip(keys, concurrently(run, keys), strict=True))  # the three grpcurl calls at once
     ar_text, ar_ids, _ = runs["DECODE_MODE_AR", "PROPOSAL_KIND_CHAIN"]
     assert ar_ids
     for (mode, _), (text, ids, stats) in runs.items():

@@ -41,7 +41,7 @@ from dspark_grpc.target_service.http_front import (
 )
 from dspark_grpc.target_service.servicer import TargetServicer
 
-from tests.service.conftest import MAX_SESSIONS, SLOW_MACHINE_DRAFT_TIMEOUT
+from tests.service.conftest import MAX_SESSIONS, SLOW_MACHINE_DRAFT_TIMEOUT, concurrently
 
 TOKEN = "http-front-test-token"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -252,6 +252,12 @@ def grpc_client(http_target):
         yield client
 
 
+@pytest.fixture(scope="module")
+def chat_ar(grpc_client):
+    """Generate's AR reply to CHAT (NEW_TOKENS at most), which the tests below compare the HTTP replies with."""
+    return grpc_client.generate(messages=CHAT, max_new_tokens=NEW_TOKENS)
+
+
 @pytest.fixture()
 def oai(http_target) -> openai.OpenAI:
     with openai.OpenAI(base_url=http_target[1] + "/v1", api_key=TOKEN, max_retries=0, timeout=300) as client:
@@ -277,10 +283,10 @@ def read(request: urllib.request.Request) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_chat_matches_grpc_generate(oai, grpc_client):
+def test_chat_matches_grpc_generate(oai, grpc_client, chat_ar):
     reply = oai.chat.completions.create(model="any", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
                                         extra_body={"dspark": {"mode": "ar"}})
-    ours = grpc_client.generate(messages=CHAT, max_new_tokens=NEW_TOKENS)
+    ours = chat_ar
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == ours.text
     assert reply.dspark["token_ids"] == ours.token_ids
@@ -293,9 +299,10 @@ def test_chat_matches_grpc_generate(oai, grpc_client):
 
 def test_completion_matches_grpc_generate(oai, grpc_client):
     prompt = "The quick brown fox"
-    reply = oai.completions.create(model="any", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                   extra_body={"dspark": {"mode": "ar", "ignore_eos": True}})
-    ours = grpc_client.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    reply, ours = concurrently(lambda run: run(), [  # the HTTP request and Generate at once
+        lambda: oai.completions.create(model="any", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                       extra_body={"dspark": {"mode": "ar", "ignore_eos": True}}),
+        lambda: grpc_client.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)])
     assert reply.object == "text_completion" and reply.choices[0].text == ours.text
     assert reply.dspark["token_ids"] == ours.token_ids and len(ours.token_ids) == NEW_TOKENS
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == NEW_TOKENS
@@ -306,10 +313,10 @@ def test_completion_matches_grpc_generate(oai, grpc_client):
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == ours.text[:ours.text.index(stop)]
 
 
-def test_speculation_is_lossless_and_reported(oai, grpc_client):
+def test_speculation_is_lossless_and_reported(oai, chat_ar):
     reply = oai.chat.completions.create(model="any", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
                                         extra_body={"dspark": {"mode": "speculation"}})
-    ar = grpc_client.generate(messages=CHAT, max_new_tokens=NEW_TOKENS)
+    ar = chat_ar
     stats = reply.dspark
     assert stats["token_ids"] == ar.token_ids and reply.choices[0].message.content == ar.text
     assert stats["mode_run"] == "speculation" and stats["speculative_steps"] > 0 and stats["fallback_reason"] == ""
@@ -319,8 +326,8 @@ def test_speculation_is_lossless_and_reported(oai, grpc_client):
     assert isinstance(stats["session_bytes"], int)
 
 
-def test_streaming_chat_and_completion(oai, grpc_client):
-    ours = grpc_client.generate(messages=CHAT, max_new_tokens=NEW_TOKENS)
+def test_streaming_chat_and_completion(oai, grpc_client, chat_ar):
+    ours = chat_ar
     chunks = list(oai.chat.completions.create(model="any", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
                                               stream=True, stream_options={"include_usage": True},
                                               extra_body={"dspark": {"mode": "ar"}}))
@@ -334,9 +341,10 @@ def test_streaming_chat_and_completion(oai, grpc_client):
     assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
 
     prompt = "def fibonacci(n):\n"
-    ours = grpc_client.generate(prompt, max_new_tokens=NEW_TOKENS)
-    chunks = list(oai.completions.create(model="any", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                         stream=True, extra_body={"dspark": {"mode": "ar"}}))
+    ours, chunks = concurrently(lambda run: run(), [  # Generate and the HTTP stream at once
+        lambda: grpc_client.generate(prompt, max_new_tokens=NEW_TOKENS),
+        lambda: list(oai.completions.create(model="any", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                            stream=True, extra_body={"dspark": {"mode": "ar"}}))])
     assert "".join(c.choices[0].text for c in chunks) == ours.text
     assert chunks[-1].choices[0].finish_reason in ("length", "stop") and chunks[-1].usage is None
 

@@ -40,12 +40,18 @@ def test_model_info_names_the_hybrid(stack):
         assert client.model_info().architecture == "qwen35"
 
 
+@pytest.fixture(scope="module")
+def ar_outputs(stack) -> list:
+    """AR's result for the first two PROMPTS (computed once for every speculative variant below)."""
+    with TargetClient(stack[0]) as client:
+        return [client.generate(p, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True) for p in PROMPTS[:2]]
+
+
 @pytest.mark.parametrize("proposal,proposer", [("chain", "dspark"), ("tree", "dspark"), ("chain", "hybrid"),
                                                ("tree", "hybrid")])
-def test_greedy_speculation_equals_ar(stack, proposal, proposer):
+def test_greedy_speculation_equals_ar(stack, ar_outputs, proposal, proposer):
     with TargetClient(stack[0]) as client:
-        for prompt in PROMPTS[:2]:
-            ar = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True)
+        for prompt, ar in zip(PROMPTS[:2], ar_outputs, strict=True):
             spec = client.generate(prompt, max_new_tokens=NEW_TOKENS, mode="speculation", proposal=proposal,
                                    proposer=proposer, ignore_eos=True)
             assert spec.token_ids == ar.token_ids and len(ar.token_ids) == NEW_TOKENS
