@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None, command: list[str] | None = None) -> Non
     (default: this process's when `argv` is None, else `dspark bench ARGV`)."""
     if argv is None:
         argv, command = sys.argv[1:], command or sys.argv
-    report_failures("dspark bench", lambda: _bench(argv, command or ["dspark", "bench", *argv]))
+    command = command or ["dspark", "bench", *argv]
+    report_failures("dspark bench", lambda: _bench(argv, command))
 
 
 def parser() -> OneLineParser:

@@ -26,7 +26,6 @@ PARSERS = {  # program -> the module whose parser() it runs
     ".venv/bin/dspark-train": "dspark_grpc.train.cli",
     ".venv/bin/dspark-convert": "dspark_grpc.runtime.formats.drafter_formats",
 }
-SUB_PROGRAMS = {"dspark bench": "dspark_grpc.bench.cli"}  # `dspark bench` is the bench package's program
 README_TARGET = "127.0.0.1:50051"
 
 
@@ -86,9 +85,10 @@ def test_readme_command_is_accepted_as_written(argv):
             body = argv[argv.index("-d") + 1]
             json_format.Parse(body, message_factory.GetMessageClass(method.input_type)())
         return
+    module = PARSERS[program]
     if program.endswith("/dspark") and argv[1:2] == ["bench"]:  # the bench package's program (cli_common.dspark_main)
-        program, argv = "dspark bench", argv[1:]
-    parser = importlib.import_module({**PARSERS, **SUB_PROGRAMS}[program]).parser()
+        module, argv = "dspark_grpc.bench.cli", argv[1:]
+    parser = importlib.import_module(module).parser()
     parser.parse_args(argv[1:])  # an unknown flag or a bad value exits (SystemExit fails the test)
 
 
